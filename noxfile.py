@@ -1,0 +1,149 @@
+"""Sessions for the bagua monorepo (same names for every package).
+
+    nox -s tests-bagua-comm      one package alone (plus what it declares), its own tests
+    nox -t tests                 the five of them
+    nox -s integration           all five installed together, top-level tests/
+    nox -s lint                  ruff, cython-lint, import-linter contracts
+    nox -s build-bagua-net       sdist + wheel, installed into a fresh venv and imported
+    nox -t ci                    everything CI runs (README's test command)
+    nox -s bench | demo | gpu    benchmarks, the main job, GPU tests (gpu is off by default)
+
+Arguments after ``--`` reach pytest (or the benchmark script).  Torch is always installed
+first from ``BAGUA_NOX_TORCH`` (default ``torch==2.13.0``: the local CPU wheel here), so no
+unpinned requirement can pull a CUDA build.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = ["bagua-comm", "bagua-algos", "bagua-optim", "bagua-data", "bagua-net"]
+# Siblings each package needs, installed by path before it (DESIGN.md section 2).
+SIBLINGS = {"bagua-algos": ["bagua-comm"]}
+TORCH = os.environ.get("BAGUA_NOX_TORCH", "torch==2.13.0")
+NEEDS_TORCH = {"bagua-comm", "bagua-algos", "bagua-optim", "bagua-data"}
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["lint", *(f"tests-{p}" for p in PACKAGES), "integration"]
+nox.options.reuse_existing_virtualenvs = False
+
+
+def _pkg(name: str) -> str:
+    return str(ROOT / "packages" / name)
+
+
+def _import_name(package: str) -> str:
+    return package.replace("-", "_")
+
+
+def _install_torch(session: nox.Session) -> None:
+    session.install(TORCH)
+
+
+def _install(session: nox.Session, package: str, extras: str = "") -> None:
+    """Install ``package`` (non-editable, so tests see what users get) and its siblings."""
+    for sib in SIBLINGS.get(package, []):
+        session.install(_pkg(sib))
+    session.install(f"{_pkg(package)}{extras}")
+
+
+def _pytest(session: nox.Session, *paths: str, gpu: bool = False) -> None:
+    args = list(session.posargs) or ["-q"]
+    if not gpu:
+        args += ["-m", "not gpu"]
+    # Tests import the installed packages: src/ is never on sys.path (src layout).
+    session.run("pytest", *[str(ROOT / p) for p in paths], *args,
+                env={"PYTHONDONTWRITEBYTECODE": "1"})
+
+
+def _make_tests(package: str):
+    def tests(session: nox.Session) -> None:
+        if package in NEEDS_TORCH or package in SIBLINGS:
+            _install_torch(session)
+        _install(session, package, "[test]")
+        _pytest(session, f"packages/{package}/tests")
+
+    tests.__doc__ = f"{package} installed alone (plus what it declares): its own tests."
+    return tests
+
+
+def _make_build(package: str):
+    def build(session: nox.Session) -> None:
+        session.install("build")
+        dist = Path(session.create_tmp()) / "dist"
+        session.run("python", "-m", "build", "--outdir", str(dist), _pkg(package))
+        wheels = sorted(dist.glob("*.whl"))
+        sdists = sorted(dist.glob("*.tar.gz"))
+        if len(wheels) != 1 or len(sdists) != 1:
+            session.error(f"expected one wheel and one sdist in {dist}, found {wheels + sdists}")
+        # A fresh venv with nothing from this repo but the wheel (and its declared siblings).
+        venv = Path(session.create_tmp()) / "fresh"
+        session.run("python", "-m", "venv", str(venv))
+        py = str(venv / "bin" / "python")
+        pip = [py, "-m", "pip", "install", "-q"]
+        if package in NEEDS_TORCH or package in SIBLINGS:
+            session.run(*pip, TORCH, external=True)
+        for sib in SIBLINGS.get(package, []):
+            session.run(*pip, _pkg(sib), external=True)
+        session.run(*pip, str(wheels[0]), external=True)
+        name = _import_name(package)
+        check = (f"import sys, {name}; "
+                 f"others = sorted(m for m in sys.modules if m.startswith('bagua_') "
+                 f"and m.split('.')[0] not in {[name, *map(_import_name, SIBLINGS.get(package, []))]!r}); "
+                 f"assert not others, others; "
+                 f"assert 'site-packages' in {name}.__file__; "
+                 f"print({name}.__name__, {name}.__version__, {name}.__file__)")
+        session.run(py, "-c", check, external=True)
+        if package == "bagua-net" and "-none-any" in wheels[0].name:
+            session.error("bagua-net must be a platform wheel (it carries a C library)")
+        session.log(f"built {wheels[0].name} and {sdists[0].name}")
+
+    build.__doc__ = f"Build {package}'s sdist and wheel; install the wheel alone; import it."
+    return build
+
+
+for _p in PACKAGES:
+    nox.session(name=f"tests-{_p}", tags=["tests", "ci"])(_make_tests(_p))
+    nox.session(name=f"build-{_p}", tags=["build", "ci"])(_make_build(_p))
+
+
+@nox.session(tags=["ci"])
+def integration(session: nox.Session) -> None:
+    """All five packages installed together: the full-stack tests in tests/."""
+    _install_torch(session)
+    session.install("pytest>=8", "pytest-timeout>=2.3", "numpy")
+    for p in PACKAGES:
+        session.install(_pkg(p))
+    _pytest(session, "tests")
+
+
+@nox.session(tags=["ci"])
+def lint(session: nox.Session) -> None:
+    """ruff, cython-lint, and import-linter contracts for DESIGN.md's allowed dependencies."""
+    session.install("ruff", "cython-lint", "import-linter")
+    session.run("ruff", "check", ".")
+    pyx = sorted(str(p) for p in ROOT.glob("packages/*/src/**/*.pyx"))
+    pxd = sorted(str(p) for p in ROOT.glob("packages/*/src/**/*.pxd"))
+    if pyx or pxd:
+        session.run("cython-lint", "--max-line-length", "100", *pyx, *pxd)
+    src = os.pathsep.join(str(p) for p in sorted(ROOT.glob("packages/*/src")))
+    session.run("lint-imports", env={"PYTHONPATH": src})
+
+
+@nox.session(venv_params=["--system-site-packages"], default=False)
+def gpu(session: nox.Session) -> None:
+    """The gpu-marked tests with BAGUA_TEST_GPU=1 (they fail instead of skipping).
+
+    The venv sees the machine's own CUDA build of torch (system site-packages); the packages
+    are installed with their ``cu12`` extras (CuPy, the NCCL wheel).
+    """
+    session.install("pytest>=8", "pytest-timeout>=2.3", "numpy")
+    session.install(f"{_pkg('bagua-comm')}[cu12]")
+    for p in PACKAGES[1:]:
+        session.install(_pkg(p))
+    session.run("pytest", "-m", "gpu", *[str(ROOT / "packages" / p / "tests") for p in PACKAGES],
+                str(ROOT / "tests"), *session.posargs, env={"BAGUA_TEST_GPU": "1"})

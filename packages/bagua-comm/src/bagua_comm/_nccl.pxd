@@ -1,0 +1,32 @@
+# The NCCL C ABI restated (no nccl.h): only the types and signatures we call.
+# Pointers to NCCL functions are resolved with dlsym at run time (see _nccl.pyx).
+
+ctypedef int ncclResult_t
+ctypedef void* ncclComm_t
+ctypedef void* cudaStream_t
+ctypedef int ncclDataType_t
+ctypedef int ncclRedOp_t
+
+ctypedef struct ncclUniqueId:
+    char internal[128]
+
+ctypedef ncclResult_t (*GetVersion_t)(int*) noexcept nogil
+ctypedef ncclResult_t (*GetUniqueId_t)(ncclUniqueId*) noexcept nogil
+ctypedef const char* (*GetErrorString_t)(ncclResult_t) noexcept nogil
+ctypedef const char* (*GetLastError_t)(ncclComm_t) noexcept nogil
+ctypedef ncclResult_t (*CommInitRank_t)(ncclComm_t*, int, ncclUniqueId, int) noexcept nogil
+ctypedef ncclResult_t (*CommOp_t)(ncclComm_t) noexcept nogil
+ctypedef ncclResult_t (*CommGetAsyncError_t)(ncclComm_t, ncclResult_t*) noexcept nogil
+ctypedef ncclResult_t (*AllReduce_t)(const void*, void*, size_t, ncclDataType_t, ncclRedOp_t,
+                                     ncclComm_t, cudaStream_t) noexcept nogil
+ctypedef ncclResult_t (*Reduce_t)(const void*, void*, size_t, ncclDataType_t, ncclRedOp_t, int,
+                                  ncclComm_t, cudaStream_t) noexcept nogil
+ctypedef ncclResult_t (*Broadcast_t)(const void*, void*, size_t, ncclDataType_t, int,
+                                     ncclComm_t, cudaStream_t) noexcept nogil
+ctypedef ncclResult_t (*AllGather_t)(const void*, void*, size_t, ncclDataType_t,
+                                     ncclComm_t, cudaStream_t) noexcept nogil
+ctypedef ncclResult_t (*ReduceScatter_t)(const void*, void*, size_t, ncclDataType_t, ncclRedOp_t,
+                                         ncclComm_t, cudaStream_t) noexcept nogil
+ctypedef ncclResult_t (*SendRecv_t)(void*, size_t, ncclDataType_t, int, ncclComm_t,
+                                    cudaStream_t) noexcept nogil
+ctypedef ncclResult_t (*Group_t)() noexcept nogil

@@ -1,0 +1,221 @@
+"""Process groups: the default group, sub-groups and their hierarchical communicators.
+
+A :class:`ProcessGroup` is an ordered list of global ranks plus the torch.distributed group
+that carries its gloo traffic (and, on the ``nccl`` backend, our own NCCL communicator,
+created lazily at first use).  Hierarchical communicators (intra-node, and inter-node among
+node leaders) are built lazily and collectively: every rank must ask for them in the same
+order, which the algorithms do during initialisation.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_BACKENDS = ("auto", "gloo", "nccl")
+
+
+class ProcessGroup:
+    """An ordered set of global ranks that communicate together."""
+
+    def __init__(self, ranks: list[int], torch_group, backend: str, local_world_size: int):
+        self.ranks = list(ranks)
+        self.torch_group = torch_group
+        self.backend = backend
+        self._local_world_size = local_world_size
+        self._global_rank = dist.get_rank()
+        self._lock = threading.Lock()
+        self._intra = None
+        self._inter = None
+        self._nccl_comm = None
+
+    # -- membership -------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank inside the group, or -1 if it is not a member."""
+        try:
+            return self.ranks.index(self._global_rank)
+        except ValueError:
+            return -1
+
+    def is_member(self) -> bool:
+        return self._global_rank in self.ranks
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+    # -- hierarchy --------------------------------------------------------------------------
+    def _nodes(self) -> dict[int, list[int]]:
+        nodes: dict[int, list[int]] = {}
+        for r in self.ranks:
+            nodes.setdefault(r // self._local_world_size, []).append(r)
+        return nodes
+
+    def intra_node_group(self) -> ProcessGroup:
+        """Ranks of this group on this process's node (collective on first call)."""
+        if self._intra is None:
+            mine = None
+            for members in self._nodes().values():
+                g = _new_subgroup(members, self.backend, self._local_world_size)
+                if self._global_rank in members:
+                    mine = g
+            self._intra = mine
+        return self._intra
+
+    def inter_node_group(self) -> ProcessGroup:
+        """Node leaders of this group (first member on each node; collective on first call)."""
+        if self._inter is None:
+            leaders = [members[0] for members in self._nodes().values()]
+            self._inter = _new_subgroup(leaders, self.backend, self._local_world_size)
+        return self._inter
+
+    def is_node_leader(self) -> bool:
+        return self._global_rank in [m[0] for m in self._nodes().values()]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._nodes())
+
+    def __repr__(self) -> str:
+        return f"ProcessGroup(ranks={self.ranks}, backend={self.backend!r})"
+
+
+class _State:
+    def __init__(self):
+        self.default: ProcessGroup | None = None
+        self.backend: str | None = None
+        self.local_world_size = 1
+        self.owns_torch_pg = False
+
+
+_state = _State()
+
+
+def _new_subgroup(ranks, backend, local_world_size) -> ProcessGroup:
+    tg = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=False)
+    return ProcessGroup(list(ranks), tg, backend, local_world_size)
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    override = os.environ.get("BAGUA_COMM_BACKEND")
+    if backend == "auto" and override:
+        if override not in ("gloo", "nccl"):
+            raise ValueError(f"BAGUA_COMM_BACKEND must be 'gloo' or 'nccl', got {override!r}")
+        backend = override
+    if backend == "auto":
+        from . import _nccl_loader
+
+        backend = "nccl" if torch.cuda.is_available() and _nccl_loader.nccl_available() else "gloo"
+    return backend
+
+
+def init_process_group(backend: str = "auto", *, store=None, rank=None, world_size=None,
+                       local_world_size=None, timeout=timedelta(minutes=30)) -> None:
+    """Join the job: from torchrun's environment, or from an explicit store/rank/world size."""
+    if _state.default is not None:
+        raise RuntimeError("bagua_comm.init_process_group was already called in this process; "
+                           "call destroy_process_group() first")
+    backend = _resolve_backend(backend)
+    if store is not None and (rank is None or world_size is None):
+        raise ValueError("with store=..., pass rank= and world_size= too")
+    rank = int(os.environ["RANK"]) if rank is None and "RANK" in os.environ else rank
+    world_size = (int(os.environ["WORLD_SIZE"]) if world_size is None and "WORLD_SIZE" in os.environ
+                  else world_size)
+    if (rank is None or world_size is None) and store is None and not dist.is_initialized():
+        raise RuntimeError("cannot find rank/world size: launch with torchrun or pass "
+                           "store=, rank= and world_size=")
+    if world_size is not None and world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if rank is not None and world_size is not None and not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size or 1))
+    if local_world_size < 1 or (world_size and world_size % local_world_size):
+        raise ValueError(f"local_world_size must divide world_size={world_size}, "
+                         f"got {local_world_size}")
+    if not dist.is_initialized():
+        kw = {"timeout": timeout}
+        if store is not None:
+            kw.update(store=store, rank=rank, world_size=world_size)
+        elif rank is not None:
+            kw.update(rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", **kw)
+        _state.owns_torch_pg = True
+    world_size = dist.get_world_size()
+    _state.backend = backend
+    _state.local_world_size = local_world_size
+    _state.default = ProcessGroup(list(range(world_size)), dist.group.WORLD, backend,
+                                  local_world_size)
+
+
+def is_initialized() -> bool:
+    return _state.default is not None
+
+
+def destroy_process_group() -> None:
+    if _state.default is None:
+        return
+    if _state.owns_torch_pg and dist.is_initialized():
+        dist.destroy_process_group()
+    _state.__init__()
+
+
+def _default() -> ProcessGroup:
+    if _state.default is None:
+        raise RuntimeError("bagua_comm is not initialised: call bagua_comm.init_process_group() "
+                           "first")
+    return _state.default
+
+
+def get_default_group() -> ProcessGroup:
+    return _default()
+
+
+def get_rank() -> int:
+    return _default().rank
+
+
+def get_world_size() -> int:
+    return _default().size
+
+
+def get_local_size() -> int:
+    _default()
+    return _state.local_world_size
+
+
+def get_local_rank() -> int:
+    return get_rank() % get_local_size()
+
+
+def get_node_rank() -> int:
+    return get_rank() // get_local_size()
+
+
+def get_backend() -> str:
+    _default()
+    return _state.backend
+
+
+def new_group(ranks=None) -> ProcessGroup:
+    """A new group of the given global ranks (collective: every rank calls, same order)."""
+    world = get_world_size()
+    ranks = list(range(world)) if ranks is None else [int(r) for r in ranks]
+    if not ranks:
+        raise ValueError("ranks must not be empty")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"ranks must be distinct, got {ranks}")
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise ValueError(f"ranks must be in [0, world_size={world}), got {bad}")
+    return _new_subgroup(ranks, _state.backend, _state.local_world_size)

@@ -1,0 +1,135 @@
+"""Run a function on N real ranks, the way every multi-rank test in this repo does.
+
+``run_ranks(fn, world_size)`` spawns ``world_size`` processes (spawn context, so no state
+leaks from the parent), joins them through a ``FileStore`` in a fresh temporary directory (no
+port probing), initialises bagua_comm in each, and calls ``fn(*args, **kwargs)``.  It returns
+the per-rank results in rank order.  The first rank to fail, or the timeout, kills every rank,
+and the parent raises :class:`RankFailure` carrying the child's own traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+
+class RankFailure(AssertionError):
+    """A rank raised, crashed or timed out; the message holds its traceback."""
+
+
+def _child(rank, world_size, local_world_size, store_path, backend, init, threads, env,
+           fn, args, kwargs, conn):
+    try:
+        os.environ.update(env)
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                           "LOCAL_RANK": str(rank % local_world_size),
+                           "LOCAL_WORLD_SIZE": str(local_world_size),
+                           "GROUP_RANK": str(rank // local_world_size)})
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
+        if init:
+            import torch.distributed as dist
+
+            from . import process_group
+
+            store = dist.FileStore(store_path, world_size)
+            process_group.init_process_group(backend, store=store, rank=rank,
+                                             world_size=world_size,
+                                             local_world_size=local_world_size,
+                                             timeout=timedelta(seconds=120))
+        result = fn(*args, **kwargs)
+        try:
+            conn.send(("ok", rank, pickle.dumps(result)))
+        except Exception:  # unpicklable result: report that instead of hanging
+            conn.send(("error", rank, "result of fn is not picklable:\n" + traceback.format_exc()))
+        if init:
+            from . import process_group
+
+            process_group.destroy_process_group()
+    except BaseException:
+        conn.send(("error", rank, traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def run_ranks(fn, world_size: int = 2, *, args=(), kwargs=None, timeout: float = 120.0,
+              local_world_size: int | None = None, backend: str = "gloo", init: bool = True,
+              threads: int | None = 1, env: dict[str, str] | None = None) -> list:
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return results by rank.
+
+    ``fn`` must be importable by module name (a module-level function).  ``local_world_size``
+    ranks share a node (default: all), so ``world_size=4, local_world_size=2`` emulates two
+    nodes of two.  ``threads`` sets torch's intra-op threads per rank (1 keeps 2 ranks on 2
+    cores from oversubscribing).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    local_world_size = local_world_size or world_size
+    if world_size % local_world_size:
+        raise ValueError(f"local_world_size ({local_world_size}) must divide world_size "
+                         f"({world_size})")
+    ctx = mp.get_context("spawn")
+    env = {"OMP_NUM_THREADS": str(threads or 1), **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="bagua-ranks-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs, conns = [], {}
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, name=f"rank{rank}", daemon=True,
+                            args=(rank, world_size, local_world_size, store_path, backend, init,
+                                  threads, env, fn, tuple(args), dict(kwargs or {}), child_end))
+            p.start()
+            child_end.close()
+            procs.append(p)
+            conns[parent_end] = rank
+        try:
+            return _collect(procs, conns, world_size, timeout)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=10)
+
+
+def _collect(procs, conns, world_size, timeout):
+    results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    pending = dict(conns)
+    sentinels = {p.sentinel: rank for rank, p in enumerate(procs)}
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(pending.values())
+            raise RankFailure(f"timed out after {timeout:.0f}s waiting for ranks {missing}; "
+                              "all ranks were killed")
+        ready = mpc.wait(list(pending) + list(sentinels), timeout=remaining)
+        for obj in ready:
+            if obj in pending:
+                rank = pending.pop(obj)
+                try:
+                    status, _, payload = obj.recv()
+                except EOFError:
+                    raise RankFailure(_died(rank, procs[rank])) from None
+                if status == "error":
+                    raise RankFailure(f"rank {rank} failed:\n{payload}")
+                results[rank] = pickle.loads(payload)
+            elif obj in sentinels:
+                rank = sentinels.pop(obj)
+                conn = next((c for c, r in pending.items() if r == rank), None)
+                if conn is not None and not conn.poll(1.0):
+                    raise RankFailure(_died(rank, procs[rank]))
+    return [results[r] for r in range(world_size)]
+
+
+def _died(rank, proc):
+    proc.join(timeout=5)
+    return f"rank {rank} died without reporting (exit code {proc.exitcode}); all ranks were killed"

@@ -1,0 +1,37 @@
+"""bagua_net: locate and enable libnccl-net-bagua.so, the multi-stream TCP plugin for NCCL."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ._version import __version__
+
+LIBRARY_NAME = "libnccl-net-bagua.so"
+PLUGIN_NAME = "BaguaNet"
+
+__all__ = ["LIBRARY_NAME", "PLUGIN_NAME", "__version__", "enable", "library_path"]
+
+
+def library_path() -> str:
+    """Absolute path of the installed ``libnccl-net-bagua.so``."""
+    path = Path(__file__).resolve().parent / LIBRARY_NAME
+    if not path.exists():
+        raise RuntimeError(f"{LIBRARY_NAME} is missing from {path.parent}: reinstall bagua-net "
+                           "(pip install --force-reinstall bagua-net)")
+    return str(path)
+
+
+def enable() -> str:
+    """Make NCCL in this process and its children load the plugin; returns its path.
+
+    Sets ``NCCL_NET_PLUGIN`` to the library's absolute path and puts its folder first on
+    ``LD_LIBRARY_PATH`` (for NCCL versions that resolve the plugin by name).
+    """
+    path = library_path()
+    os.environ["NCCL_NET_PLUGIN"] = path
+    folder = str(Path(path).parent)
+    parts = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    if folder not in parts:
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([folder, *parts])
+    return path
