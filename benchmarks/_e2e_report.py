@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 DECENTRALIZED_OR_ASYNC = ("decentralized", "low_precision_decentralized", "async")
@@ -55,32 +56,53 @@ def check_targets(runs: list[dict]) -> list[dict]:
     return out
 
 
-def table(runs: list[dict], title: str):
-    from rich.table import Table
+_COLUMNS = [("bandwidth", "left"), ("algorithm", "left"), ("samples/s", "right"),
+           ("x DDP", "right"), ("step ms", "right"), ("compute ms", "right"),
+           ("comm ms", "right"), ("MB/step/rank", "right"),
+           ("loss@N", "right"), ("loss@T", "right"), ("note", "left")]
 
-    t = Table(title=title, title_justify="left")
-    for col, just in [("bandwidth", "left"), ("algorithm", "left"), ("samples/s", "right"),
-                      ("x DDP", "right"), ("step ms", "right"), ("compute ms", "right"),
-                      ("comm ms", "right"), ("MB/step/rank", "right"),
-                      ("loss@N", "right"), ("loss@T", "right"), ("note", "left")]:
-        t.add_column(col, justify=just)
+
+def _rows(runs: list[dict]) -> list[list[str]]:
+    rows = []
     for r in runs:
         if r["status"] != "ok":
             style = "yellow" if r["status"] == "unavailable" else "red"
-            t.add_row(bw_label(r["bandwidth_mbit"]), r["algorithm"], *["-"] * 8,
-                      f"[{style}]{r['status']}[/]: {(r.get('reason') or '')[:70]}")
+            rows.append([bw_label(r["bandwidth_mbit"]), r["algorithm"], *["-"] * 8,
+                         f"[{style}]{r['status']}[/]: {(r.get('reason') or '')[:70]}"])
             continue
         s = r.get("speedup_vs_ddp")
-        t.add_row(bw_label(r["bandwidth_mbit"]), r["algorithm"], f"{r['samples_per_s']:.1f}",
+        rows.append([bw_label(r["bandwidth_mbit"]), r["algorithm"], f"{r['samples_per_s']:.1f}",
                   "-" if s is None else f"{s:.2f}", f"{r['step_s'] * 1e3:.0f}",
                   f"{r['compute_s'] * 1e3:.0f}", f"{r['comm_s'] * 1e3:.0f}",
                   f"{r['bytes_per_step'] / 1e6:.2f}", f"{r['loss']:.3f}",
-                  f"{r['loss_at_wall']:.3f}", r.get("bytes_source", ""))
+                  f"{r['loss_at_wall']:.3f}", r.get("bytes_source", "")])
+    return rows
+
+
+def table(runs: list[dict], title: str):
+    """A rich Table (or plain text where rich is not installed)."""
+    try:
+        from rich.table import Table
+    except ImportError:
+        rows = [[c for c, _ in _COLUMNS]] + [
+            [re.sub(r"\[/?[a-z]*\]", "", cell) for cell in row] for row in _rows(runs)]
+        widths = [max(len(row[k]) for row in rows) for k in range(len(_COLUMNS))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+        return "\n".join([title, *lines])
+    t = Table(title=title, title_justify="left")
+    for col, just in _COLUMNS:
+        t.add_column(col, justify=just)
+    for row in _rows(runs):
+        t.add_row(*row)
     return t
 
 
-def plot(runs: list[dict], path: Path, subtitle: str = "") -> Path:
-    import matplotlib
+def plot(runs: list[dict], path: Path, subtitle: str = "") -> Path | None:
+    """Loss against wall time per bandwidth, and throughput against bandwidth (a PNG)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -125,3 +147,41 @@ def plot(runs: list[dict], path: Path, subtitle: str = "") -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+class PlainConsole:
+    """The two rich.Console methods e2e.py uses, for machines without rich."""
+
+    def print(self, *objs) -> None:
+        print(*(re.sub(r"\[/?[a-z ]*\]", "", str(o)) for o in objs), flush=True)
+
+    log = print
+
+
+class PlainProgress:
+    """rich.progress.Progress's methods e2e.py uses: one line per finished task."""
+
+    def __init__(self, console):
+        self.console, self.tasks = console, {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def add_task(self, description, total, start=True):
+        self.tasks[len(self.tasks)] = [description, total, 0]
+        return len(self.tasks) - 1
+
+    def start_task(self, task) -> None:
+        pass
+
+    def update(self, task, completed=None, description=None) -> None:
+        t = self.tasks[task]
+        if description:
+            t[0] = description
+        if completed is not None and completed >= t[1] > t[2]:
+            self.console.print(f"{t[0]}: done")
+        if completed is not None:
+            t[2] = completed

@@ -29,7 +29,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _e2e_model import SIZES, MarkovText, initial_loss, make_model, num_params  # noqa: E402
-from _e2e_report import add_ratios, bw_label, check_targets, plot, table  # noqa: E402
+from _e2e_report import (  # noqa: E402
+    PlainConsole,
+    PlainProgress,
+    add_ratios,
+    bw_label,
+    check_targets,
+    plot,
+    table,
+)
 
 WORKER = str(HERE / "_e2e_worker.py")
 ALGORITHMS = ["ddp", "gradient_allreduce", "bytegrad", "decentralized",
@@ -218,10 +226,20 @@ def run_bandwidth(bw, args, launcher: Launcher, progress, console) -> list[dict]
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    console = Console() if sys.stdout.isatty() else Console(width=150)
+        console = Console() if sys.stdout.isatty() else Console(width=150)
+
+        def progress_bar():
+            return Progress("[progress.description]{task.description}", BarColumn(),
+                            MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+    except ImportError:  # plain text; `pip install rich` for the live table
+        console = PlainConsole()
+
+        def progress_bar():
+            return PlainProgress(console)
     t_start = time.monotonic()
     tb = None
     if args.no_testbed:
@@ -250,8 +268,7 @@ def main(argv=None) -> int:
     launcher = Launcher(args, tb)
     runs: list[dict] = []
     try:
-        with Progress("[progress.description]{task.description}", BarColumn(),
-                      MofNCompleteColumn(), TimeElapsedColumn(), console=console) as progress:
+        with progress_bar() as progress:
             for bw in args.bandwidths:
                 if tb is not None:
                     tb.reshape(bandwidth_mbit=bw)
@@ -266,7 +283,7 @@ def main(argv=None) -> int:
     console.print(table(runs, f"bagua end to end vs torch DDP ({mode})"))
     png = plot(runs, args.plot, subtitle=f"{num_params(model) / 1e6:.2f}M-param transformer, "
                f"{args.hosts} hosts, {mode}")
-    console.print(f"plot: {png}")
+    console.print(f"plot: {png}" if png else "plot: skipped (pip install matplotlib)")
     for t in targets:
         mark = "[green]met[/]" if t["met"] else "[red]not met[/]"
         console.print(f"target {t['target']} ({bw_label(t['bandwidth_mbit'])}, "
@@ -276,7 +293,7 @@ def main(argv=None) -> int:
         "testbed": {"used": ok, "why": why, "mode": tb.mode if tb else None},
         "model": {"size": args.size, "params": num_params(model),
                   "loss_at_init": initial_loss(data.vocab), "loss_floor": data.entropy()},
-        "runs": runs, "targets": targets, "plot": str(png),
+        "runs": runs, "targets": targets, "plot": str(png) if png else None,
         "elapsed_s": time.monotonic() - t_start,
     }
     for path in {args.json, args.plot.with_suffix(".json")} - {None}:
