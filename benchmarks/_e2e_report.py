@@ -139,7 +139,8 @@ def plot(runs: list[dict], path: Path, subtitle: str = "") -> Path | None:
     ax.set_xticks(xs, [bw_label(b) for b in bws])
     ax.set_title("throughput vs link bandwidth")
     ax.set_ylabel("samples / s (all ranks)")
-    ax.legend(fontsize=8)
+    ax.set_yscale("log")
+    ax.legend(fontsize=7, loc="best")
     if subtitle:
         fig.suptitle(subtitle, fontsize=9)
     fig.tight_layout()

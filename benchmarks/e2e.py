@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -137,13 +138,20 @@ class Launcher:
         return procs
 
 
-def _log_tail(outdir: Path, n: int = 6) -> str:
-    lines = []
+_EXC = re.compile(r"^(\[rank\d+\]: )?([\w.]+(Error|Exception|Interrupt)\b.*)$")
+
+
+def _log_tail(outdir: Path, n: int = 2) -> str:
+    """The exceptions the job's logs end with (or their last lines)."""
+    found, last = [], []
     for log in sorted(outdir.glob("host*.log")):
         text = log.read_text(errors="replace").splitlines()
-        errs = [ln for ln in text if "Error" in ln or "error" in ln] or text
-        lines += errs[-n:]
-    return " | ".join(ln.strip() for ln in lines[-n:])
+        last += text[-1:]
+        for ln in text:
+            m = _EXC.match(ln.strip())
+            if m and "ChildFailedError" not in ln and m.group(2) not in found:
+                found.append(m.group(2))
+    return " | ".join((found or last)[-n:])
 
 
 def run_bandwidth(bw, args, launcher: Launcher, progress, console) -> list[dict]:
@@ -282,7 +290,7 @@ def main(argv=None) -> int:
             f"NO TESTBED ({why}): loopback processes, unshaped")
     console.print(table(runs, f"bagua end to end vs torch DDP ({mode})"))
     png = plot(runs, args.plot, subtitle=f"{num_params(model) / 1e6:.2f}M-param transformer, "
-               f"{args.hosts} hosts, {mode}")
+               f"{mode}")
     console.print(f"plot: {png}" if png else "plot: skipped (pip install matplotlib)")
     for t in targets:
         mark = "[green]met[/]" if t["met"] else "[red]not met[/]"
