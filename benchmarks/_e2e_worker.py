@@ -57,6 +57,10 @@ def _build(name: str, model, args, counter: list):
         import bagua_algos
     except ImportError as err:
         raise Unavailable(f"bagua_algos is not installed ({err})") from err
+    missing = [n for n in ("Algorithm", "with_bagua") if not hasattr(bagua_algos, n)]
+    if missing:
+        raise Unavailable(f"bagua_algos {bagua_algos.__version__} has no {', '.join(missing)} "
+                          f"yet")
     kwargs = {}
     if name == "qadam":
         if not hasattr(bagua_algos, "QAdamOptimizer"):
