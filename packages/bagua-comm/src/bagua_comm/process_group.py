@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
@@ -22,9 +23,14 @@ _BACKENDS = ("auto", "gloo", "nccl")
 class ProcessGroup:
     """An ordered set of global ranks that communicate together."""
 
-    def __init__(self, ranks: list[int], torch_group, backend: str, local_world_size: int):
+    def __init__(self, ranks: list[int], torch_group, backend: str, local_world_size: int,
+                 aux_torch_group=None):
         self.ranks = list(ranks)
         self.torch_group = torch_group
+        # A second gloo group of the same ranks for multi-phase operations that run on the
+        # group's worker thread (compressed_allreduce), so they never interleave with the
+        # primitives the caller issues on ``torch_group`` meanwhile.
+        self.aux_torch_group = aux_torch_group if aux_torch_group is not None else torch_group
         self.backend = backend
         self._local_world_size = local_world_size
         self._global_rank = dist.get_rank()
@@ -32,6 +38,8 @@ class ProcessGroup:
         self._intra = None
         self._inter = None
         self._nccl_comm = None
+        self._executor: ThreadPoolExecutor | None = None
+        _state.groups.append(self)
 
     # -- membership -------------------------------------------------------------------------
     @property
@@ -84,6 +92,22 @@ class ProcessGroup:
     def num_nodes(self) -> int:
         return len(self._nodes())
 
+    # -- worker thread ----------------------------------------------------------------------
+    def _submit(self, fn, *args) -> Future:
+        """Run ``fn`` on this group's single worker thread (FIFO: the same order on every
+        rank, which keeps multi-phase collectives matched across ranks)."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"bagua-comm-{self.ranks[:4]}")
+            return self._executor.submit(fn, *args)
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
     def __repr__(self) -> str:
         return f"ProcessGroup(ranks={self.ranks}, backend={self.backend!r})"
 
@@ -94,6 +118,7 @@ class _State:
         self.backend: str | None = None
         self.local_world_size = 1
         self.owns_torch_pg = False
+        self.groups: list[ProcessGroup] = []
 
 
 _state = _State()
@@ -101,7 +126,8 @@ _state = _State()
 
 def _new_subgroup(ranks, backend, local_world_size) -> ProcessGroup:
     tg = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=False)
-    return ProcessGroup(list(ranks), tg, backend, local_world_size)
+    aux = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=False)
+    return ProcessGroup(list(ranks), tg, backend, local_world_size, aux)
 
 
 def _resolve_backend(backend: str) -> str:
@@ -154,8 +180,9 @@ def init_process_group(backend: str = "auto", *, store=None, rank=None, world_si
     world_size = dist.get_world_size()
     _state.backend = backend
     _state.local_world_size = local_world_size
+    aux = dist.new_group(ranks=list(range(world_size)), backend="gloo")
     _state.default = ProcessGroup(list(range(world_size)), dist.group.WORLD, backend,
-                                  local_world_size)
+                                  local_world_size, aux)
 
 
 def is_initialized() -> bool:
@@ -165,6 +192,8 @@ def is_initialized() -> bool:
 def destroy_process_group() -> None:
     if _state.default is None:
         return
+    for g in _state.groups:
+        g._shutdown()
     if _state.owns_torch_pg and dist.is_initialized():
         dist.destroy_process_group()
     _state.__init__()
