@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import _validate as V
 from . import traffic
 from .compression import MinMaxUInt8
 from .ops import ReduceOp
-from .primitives import _check_pair, _group
 from .work import finish
 
 # Newer torch renamed all_gather_into_tensor (now deprecated) to all_gather_single.
@@ -60,8 +60,8 @@ def compressed_allreduce(send, recv, op=ReduceOp.AVG, compressor=None, *, key="a
 
     The tensors must not be touched until the call (or its work handle) completes.
     """
-    g = _group(group)
-    _check_pair(send, recv)
+    g = V.group(group)
+    V.pair(send, recv, g)
     if send.dtype not in _FLOATS:
         raise ValueError(f"compressed_allreduce needs float32, float16 or bfloat16 tensors, "
                          f"got {send.dtype}")
@@ -84,6 +84,11 @@ def compressed_allreduce(send, recv, op=ReduceOp.AVG, compressor=None, *, key="a
     sent = (compressor.payload_numel(seg * g.size, chunks=chunks) * (g.size - 1) // g.size
             + compressor.payload_numel(seg, chunks=k) * (g.size - 1))
     traffic.record("compressed_allreduce", sent)
+    if send.is_cuda:
+        from . import _nccl_ops
+
+        return _nccl_ops.compressed_allreduce(send, recv, op, compressor, k, seg, key, g,
+                                              async_op)
     fut = g._submit(_run, g, send, recv, op, compressor, k, seg, key)
     return finish([_FutureHandle(fut)], async_op=async_op)
 

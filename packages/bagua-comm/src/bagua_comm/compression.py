@@ -240,11 +240,21 @@ def _as_numpy(flat):
     return flat.view(torch.int16).numpy().view(np.uint16)
 
 
+def _gpu():
+    try:
+        import cupy  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError("MinMaxUInt8 on CUDA tensors needs CuPy: "
+                           "pip install 'bagua-comm[cu12]'  (or: pip install cupy-cuda12x)"
+                           ) from err
+    from . import _minmax_cupy
+
+    return _minmax_cupy
+
+
 def _compress(flat, chunks, payload=None):
     if flat.is_cuda:
-        from . import _minmax_cupy
-
-        return _minmax_cupy.compress(flat, chunks, payload)
+        return _gpu().compress(flat, chunks, payload)
     from . import _minmax
 
     m = flat.numel() // chunks
@@ -269,9 +279,7 @@ def _compress(flat, chunks, payload=None):
 
 def _decompress(payload, out, chunks, dtype):
     if out.is_cuda:
-        from . import _minmax_cupy
-
-        _minmax_cupy.decompress(payload, out, chunks, dtype)
+        _gpu().decompress(payload, out, chunks, dtype)
         return
     from . import _minmax
 
