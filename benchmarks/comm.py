@@ -177,10 +177,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20]
-        rounds, budget, comp_bytes, reps = 3, 16 << 20, 16 << 20, 3
+        rounds, budget, comp_bytes, reps = 5, 8 << 20, 16 << 20, 3
     else:
         sizes = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB .. 64 MiB
-        rounds, budget, comp_bytes, reps = 5, 256 << 20, 64 << 20, 7
+        rounds, budget, comp_bytes, reps = 9, 64 << 20, 64 << 20, 7
     rows = run_ranks(_collectives, args.world, args=(sizes, rounds, budget), timeout=1800)[0]
     print_collectives(rows, args.world)
     compression(comp_bytes, chunks=args.world * 4, reps=reps)

@@ -164,3 +164,39 @@ def test_hierarchical_communicators_on_two_nodes_of_two():
     assert "inter" not in out[1][0] and "inter" not in out[3][0]
     assert out[1][0]["sub"] == (0, 2.0) and out[3][0]["sub"] == (1, 2.0)
     assert "sub" not in out[0][0]
+
+
+def _without_16bit_gloo_reductions():
+    """Emulate a torch whose gloo lacks float16/bfloat16 reductions: bagua upcasts."""
+    import torch.distributed as dist
+
+    from bagua_comm import primitives
+
+    def refuse(fn):
+        def wrapped(*args, **kwargs):
+            if any(isinstance(a, torch.Tensor) and a.dtype in (torch.float16, torch.bfloat16)
+                   for a in args):
+                raise RuntimeError("Unsupported ScalarType BFloat16 / Half for this op")
+            return fn(*args, **kwargs)
+        return wrapped
+
+    dist.all_reduce = refuse(dist.all_reduce)
+    primitives._reduce_scatter_single = refuse(primitives._reduce_scatter_single)
+    r = bc.get_rank()
+    out = []
+    for dtype in (torch.float16, torch.bfloat16):
+        x = _t(r, dtype)
+        bc.allreduce_inplace(x, op=Op.AVG)
+        y = torch.empty(N // 2, dtype=dtype)
+        bc.reduce_scatter(_t(r, dtype), y, op=Op.MAX)
+        out.append((x.dtype, x.double().numpy(), y.double().numpy()))
+    return out
+
+
+def test_16bit_reductions_upcast_when_gloo_lacks_them():
+    allx = np.stack([_np(i) for i in range(2)])
+    for r, out in enumerate(run_ranks(_without_16bit_gloo_reductions, 2)):
+        for dtype, x, y in out:
+            assert dtype in (torch.float16, torch.bfloat16)
+            assert np.array_equal(x, allx.mean(0))
+            assert np.array_equal(y, allx.max(0).reshape(2, -1)[r])

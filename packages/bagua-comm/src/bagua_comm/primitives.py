@@ -46,8 +46,8 @@ def _reduction(tensor, op, g, start):
     try:
         h = start(tensor, top)
         buf = tensor
-    except RuntimeError:
-        if tensor.dtype not in _HALF:
+    except RuntimeError as err:
+        if tensor.dtype not in _HALF or "type" not in str(err).lower():
             raise
         buf = tensor.float()
         h = start(buf, top)
@@ -263,8 +263,8 @@ def reduce_scatter(send, recv, op=ReduceOp.SUM, *, group=None, async_op=False):
     try:
         h = _reduce_scatter_single(recv, send, op=top, group=g.torch_group, async_op=True)
         buf = recv
-    except RuntimeError:
-        if send.dtype not in _HALF:
+    except RuntimeError as err:
+        if send.dtype not in _HALF or "type" not in str(err).lower():
             raise
         buf = torch.empty(recv.numel(), dtype=torch.float32)
         h = _reduce_scatter_single(buf, send.float(), op=top, group=g.torch_group,
