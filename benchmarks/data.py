@@ -8,9 +8,9 @@ Two measurements, both samplers in the same run:
 2. Throughput of a real 2-rank training loop (torch.distributed over gloo, spawned processes)
    whose per-sample cost grows with the sample's length (a transformer layer's: a projection,
    ``length * dim**2``, plus attention scores, ``length**2 * dim``) and that synchronises
-   with an allreduce every step.  ``--cost compute`` runs those matmuls; ``--cost sleep``
+   with an allreduce every step.  ``--cost compute`` runs those matmuls, ``--cost sleep``
    sleeps for the same cost model (a noise-free stand-in for accelerator time on a busy
-   CPU).  Rounds alternate between the two samplers.
+   CPU), ``both`` (default) runs one loop of each.  Rounds alternate between the samplers.
 
     python benchmarks/data.py            # full
     python benchmarks/data.py --quick    # well under a minute
@@ -137,8 +137,9 @@ def _train_rank(rank: int, world: int, store_path: str, cfg: dict, out_path: str
                 time.sleep(units * cfg["sleep_us"] * 1e-6)
             else:
                 for n in batch:
-                    h = torch.mm(x[:n], w)
-                    torch.mm(h, h.t())
+                    for _ in range(cfg["layers"]):
+                        h = torch.mm(x[:n], w)
+                        torch.mm(h, h.t())
 
         for rnd in range(cfg["rounds"]):
             for name, sampler in samplers.items():
@@ -163,11 +164,12 @@ def _train_rank(rank: int, world: int, store_path: str, cfg: dict, out_path: str
         dist.destroy_process_group()
 
 
-def measure_throughput(args) -> dict:
+def measure_throughput(args, cost: str) -> dict:
     world = 2
-    cfg = {"n": world * args.batch_size * args.steps, "median": args.median,
-           "sigma": args.sigma, "max_len": args.max_len, "dim": args.dim, "grad_numel": args.grad_numel,
-           "batch_size": args.batch_size, "rounds": args.rounds, "cost": args.cost,
+    cfg = {"n": world * args.train_batch_size * args.steps, "median": args.median,
+           "sigma": args.sigma, "max_len": args.max_len, "dim": args.dim,
+           "grad_numel": args.grad_numel, "layers": args.layers,
+           "batch_size": args.train_batch_size, "rounds": args.rounds, "cost": cost,
            "sleep_us": args.sleep_us}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
@@ -175,8 +177,24 @@ def measure_throughput(args) -> dict:
                  join=True)
         with open(out) as f:
             res = json.load(f)
-    samples = cfg["n"] // world // args.batch_size * args.batch_size * world
-    res["samples"] = samples
+    res["samples"] = res["steps"] * args.train_batch_size * world
+    # The loop's own per-step cost imbalance, from its cost model, for both samplers.
+    lengths = lognormal_lengths(cfg["n"], cfg["median"], cfg["sigma"], seed=2,
+                                max_len=cfg["max_len"])
+    cost = torch.tensor([n * (1 + n / cfg["dim"]) for n in lengths], dtype=torch.float64)
+    res["imbalance"] = {}
+    for name, make in (("torch", lambda r: DistributedSampler(lengths, world, r, seed=5)),
+                       ("ours", lambda r: LoadBalancingDistributedSampler(lengths, lengths,
+                                                                          world, r, seed=5))):
+        runs = []
+        for epoch in range(args.rounds):
+            per_rank = []
+            for r in range(world):
+                sampler = make(r)
+                sampler.set_epoch(epoch)
+                per_rank.append(fixed_batches(list(sampler), args.train_batch_size))
+            runs.append(imbalance(step_costs(per_rank, cost)))
+        res["imbalance"][name] = statistics.mean(runs)
     return res
 
 
@@ -190,11 +208,15 @@ def main() -> None:
     p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the lengths")
     p.add_argument("--max-len", type=int, default=1024, help="lengths are clipped to this")
     p.add_argument("--epochs", type=int, default=3, help="epochs averaged for imbalance")
+    p.add_argument("--train-batch-size", type=int, default=16, help="batch of the 2-rank loop")
     p.add_argument("--steps", type=int, default=150, help="training steps per round")
     p.add_argument("--rounds", type=int, default=4, help="rounds per sampler (alternating)")
-    p.add_argument("--cost", choices=["compute", "sleep"], default="compute")
-    p.add_argument("--dim", type=int, default=128, help="matmul width for --cost compute")
-    p.add_argument("--sleep-us", type=float, default=5.0, help="us per token for --cost sleep")
+    p.add_argument("--cost", choices=["compute", "sleep", "both"], default="both",
+                   help="per-sample work of the loop: real matmuls, a sleep, or one run of each")
+    p.add_argument("--dim", type=int, default=128, help="model width of the cost model")
+    p.add_argument("--layers", type=int, default=4, help="layers per sample for --cost compute")
+    p.add_argument("--sleep-us", type=float, default=5.0,
+                   help="us per cost unit (length * (1 + length / dim)) for --cost sleep")
     p.add_argument("--grad-numel", type=int, default=1 << 18, help="allreduced floats per step")
     p.add_argument("--skip-train", action="store_true")
     args = p.parse_args()
@@ -202,6 +224,8 @@ def main() -> None:
         args.samples, args.epochs, args.steps, args.rounds = 20_000, 1, 40, 2
         args.world_sizes = [2, 8]
 
+    print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: timings on a "
+          f"busy machine are noisy; --cost sleep is the least sensitive)")
     print(f"== per-step imbalance (max/mean of a step's total length over ranks), "
           f"lognormal lengths median={args.median:g} sigma={args.sigma:g}, "
           f"{args.samples} samples, batch {args.batch_size}")
@@ -212,16 +236,21 @@ def main() -> None:
               f"{row['ours_budget']:>16.4f} {row['torch'] / row['ours']:>6.3f}x")
     if args.skip_train:
         return
-    print(f"\n== 2-rank training loop over gloo: cost={args.cost}, batch {args.batch_size}, "
-          f"{args.steps} steps x {args.rounds} rounds per sampler, allreduce of "
+    for cost in ("compute", "sleep") if args.cost == "both" else (args.cost,):
+        print_throughput(args, cost)
+
+
+def print_throughput(args, cost: str) -> None:
+    print(f"\n== 2-rank training loop over gloo: cost={cost}, batch {args.train_batch_size}, "
+          f"{args.steps} steps x {args.rounds} rounds per sampler (alternating), allreduce of "
           f"{args.grad_numel} floats per step")
-    res = measure_throughput(args)
+    res = measure_throughput(args, cost)
     tput = {k: res["samples"] * len(v) / sum(v) for k, v in res["times"].items()}
     per_round = [a / b for a, b in zip(res["times"]["torch"], res["times"]["ours"])]
     for name, label in (("torch", "DistributedSampler"), ("ours", "LoadBalancing")):
         wait = sum(res["waits"][name]) / sum(res["times"][name])
-        print(f"{label:>19}: {tput[name]:10.1f} samples/s  (rank 0 waits in allreduce "
-              f"{wait:5.1%} of the time)")
+        print(f"{label:>19}: {tput[name]:9.1f} samples/s  (per-step cost imbalance "
+              f"{res['imbalance'][name]:.3f}; rank 0 waits in allreduce {wait:5.1%})")
     print(f"{'throughput ratio':>19}: {tput['ours'] / tput['torch']:.3f}x  (per round: "
           + ", ".join(f"{r:.3f}" for r in per_round) + ")")
     sys.stdout.flush()

@@ -154,6 +154,8 @@ def test_bad_state_raises():
     with pytest.raises(ValueError, match="consumed"):
         s.state_dict(consumed=-1)
     b = LoadBalancingDistributedBatchSampler(sampler(), budget_fn)
+    with pytest.raises(ValueError, match="num_batches"):
+        b.load_state_dict(good)  # a sampler's state, not a batch sampler's
     with pytest.raises(ValueError, match="batches"):
         LoadBalancingDistributedBatchSampler(sampler(), lambda ix: [ix]).load_state_dict(
             b.state_dict())

@@ -29,14 +29,15 @@ def compute_complexities(dataset: Any, complexity_fn: ComplexitySource) -> torch
         raise ValueError(f"dataset must have a length (a map-style Dataset); got "
                          f"{type(dataset).__name__} without __len__") from err
     if callable(complexity_fn):
-        values = torch.empty(n, dtype=torch.float64)
+        floats = []
         for i in range(n):
             value = complexity_fn(dataset[i])
             try:
-                values[i] = float(value)
+                floats.append(float(value))
             except (TypeError, ValueError, RuntimeError) as err:
                 raise ValueError(f"complexity_fn(dataset[{i}]) must return a real number, got "
                                  f"{type(value).__name__} {value!r:.60}") from err
+        values = torch.tensor(floats, dtype=torch.float64)
     else:
         values = _from_sequence(complexity_fn, n)
     bad = (~torch.isfinite(values)).nonzero()

@@ -8,8 +8,8 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
-from ._progress import Progress, check_consumed
-from .sampler import LoadBalancingDistributedSampler, _check_state
+from ._progress import STATE_VERSION, Progress, check_consumed, check_state
+from .sampler import LoadBalancingDistributedSampler
 
 BatchFn = Callable[[list[int]], Iterable[Iterable[int]]]
 
@@ -113,7 +113,7 @@ class LoadBalancingDistributedBatchSampler(Sampler[list[int]]):
         pass ``consumed=steps_done`` (the loader prefetches ahead of the loop).
         """
         position = self._progress.position(self.epoch)
-        state = {"version": 1, "epoch": self.epoch, "num_batches": len(self),
+        state = {"version": STATE_VERSION, "epoch": self.epoch, "num_batches": len(self),
                  "consumed": check_consumed(consumed, position, len(self))}
         state.update(self.sampler._order_settings())
         return state
@@ -124,11 +124,14 @@ class LoadBalancingDistributedBatchSampler(Sampler[list[int]]):
         Needs the same sampler settings and the same ``batch_fn`` behaviour (checked through
         the epoch's batch count); a mismatch raises ``ValueError``.
         """
-        _check_state(state, self.sampler._order_settings(), state.get("num_batches", 0),
+        if not isinstance(state, dict) or not isinstance(state.get("num_batches"), int):
+            raise ValueError("state must be a dict from batch_sampler.state_dict() (with an int "
+                             "'num_batches')")
+        check_state(state, self.sampler._order_settings(), state["num_batches"],
                      "batch sampler")
         self.sampler.set_epoch(state["epoch"])
-        if state.get("num_batches") != len(self):
+        if state["num_batches"] != len(self):
             raise ValueError(f"cannot resume: the checkpoint's epoch had "
-                             f"{state.get('num_batches')!r} batches but batch_fn now makes "
+                             f"{state['num_batches']} batches but batch_fn now makes "
                              f"{len(self)}; use the same batch_fn and dataset")
         self._progress.restore(state["epoch"], state["consumed"])

@@ -10,12 +10,8 @@ import torch
 from torch.utils.data import Sampler
 
 from ._complexity import ComplexitySource, compute_complexities, noise_scale
-from ._progress import Progress, check_consumed
+from ._progress import STATE_VERSION, Progress, check_consumed, check_state
 from ._world import resolve_world
-
-_STATE_VERSION = 1
-# Settings that fix an epoch's order: a checkpoint only resumes into a sampler that shares them.
-_ORDER_KEYS = ("seed", "num_replicas", "shuffle", "drop_last", "random_level", "dataset_len")
 
 
 class LoadBalancingDistributedSampler(Sampler[int]):
@@ -139,7 +135,7 @@ class LoadBalancingDistributedSampler(Sampler[int]):
         ahead of the loop, so pass ``consumed=steps_done * batch_size``.
         """
         position = self._progress.position(self.epoch)
-        state = {"version": _STATE_VERSION, "epoch": self.epoch,
+        state = {"version": STATE_VERSION, "epoch": self.epoch,
                  "consumed": check_consumed(consumed, position, self.num_samples)}
         state.update(self._order_settings())
         return state
@@ -151,7 +147,7 @@ class LoadBalancingDistributedSampler(Sampler[int]):
         drop_last, random_level, dataset length); a mismatch raises ``ValueError``.  Calling
         ``set_epoch`` with the saved epoch afterwards keeps the position.
         """
-        _check_state(state, self._order_settings(), self.num_samples, "sampler")
+        check_state(state, self._order_settings(), self.num_samples, "sampler")
         self.epoch = state["epoch"]
         self._progress.restore(self.epoch, state["consumed"])
 
@@ -159,25 +155,3 @@ class LoadBalancingDistributedSampler(Sampler[int]):
         return {"seed": self.seed, "num_replicas": self.num_replicas, "shuffle": self.shuffle,
                 "drop_last": self.drop_last, "random_level": self.random_level,
                 "dataset_len": self._complexities.numel()}
-
-
-def _check_state(state: Any, settings: dict[str, Any], length: int, what: str) -> None:
-    if not isinstance(state, dict):
-        raise ValueError(f"state must be a dict from {what}.state_dict(), got "
-                         f"{type(state).__name__}")
-    missing = [k for k in ("version", "epoch", "consumed", *_ORDER_KEYS) if k not in state]
-    if missing:
-        raise ValueError(f"state is missing {missing}: pass a dict from {what}.state_dict()")
-    if state["version"] != _STATE_VERSION:
-        raise ValueError(f"state version {state['version']!r} is not supported (expected "
-                         f"{_STATE_VERSION})")
-    for key in _ORDER_KEYS:
-        if state[key] != settings[key]:
-            raise ValueError(f"cannot resume: the checkpoint was saved with {key}="
-                             f"{state[key]!r} but this {what} has {key}={settings[key]!r}; "
-                             f"build it with the same settings (or start a new epoch instead)")
-    epoch, consumed = state["epoch"], state["consumed"]
-    if isinstance(epoch, bool) or not isinstance(epoch, int):
-        raise ValueError(f"state['epoch'] must be an int, got {epoch!r}")
-    if isinstance(consumed, bool) or not isinstance(consumed, int) or not 0 <= consumed <= length:
-        raise ValueError(f"state['consumed'] must be an int in [0, {length}], got {consumed!r}")
