@@ -125,14 +125,13 @@ def _train_rank(rank: int, world: int, store_path: str, cfg: dict, out_path: str
         x = torch.randn(cfg["max_len"], cfg["dim"], generator=g)
         w = torch.randn(cfg["dim"], cfg["dim"], generator=g)
         grad = torch.zeros(cfg["grad_numel"])
-        times = {k: [] for k in samplers}
-        waits = {k: [] for k in samplers}
+        results = {}
 
-        def work(batch: list[int]) -> None:
+        def work(batch: list[int], cost: str) -> None:
             # A transformer layer's cost per sample: a projection (length x dim x dim) plus
             # attention scores (length x length x dim), so cost grows with length, faster
             # than linearly for long samples.
-            if cfg["cost"] == "sleep":
+            if cost == "sleep":
                 units = sum(n * (1 + n / cfg["dim"]) for n in batch)
                 time.sleep(units * cfg["sleep_us"] * 1e-6)
             else:
@@ -141,35 +140,39 @@ def _train_rank(rank: int, world: int, store_path: str, cfg: dict, out_path: str
                         h = torch.mm(x[:n], w)
                         torch.mm(h, h.t())
 
-        for rnd in range(cfg["rounds"]):
-            for name, sampler in samplers.items():
-                sampler.set_epoch(rnd)
-                loader = DataLoader(lengths, batch_size=cfg["batch_size"], sampler=sampler,
-                                    drop_last=True, collate_fn=list)
-                dist.barrier()
-                t0, waited = time.perf_counter(), 0.0
-                for batch in loader:
-                    work(batch)  # the batch holds lengths: the dataset is the lengths column
-                    t1 = time.perf_counter()
-                    dist.all_reduce(grad)
-                    waited += time.perf_counter() - t1
-                dist.barrier()
-                times[name].append(time.perf_counter() - t0)
-                waits[name].append(waited)
+        for cost in cfg["costs"]:
+            times = {k: [] for k in samplers}
+            waits = {k: [] for k in samplers}
+            for rnd in range(cfg["rounds"]):
+                for name, sampler in samplers.items():
+                    sampler.set_epoch(rnd)
+                    loader = DataLoader(lengths, batch_size=cfg["batch_size"], sampler=sampler,
+                                        drop_last=True, collate_fn=list)
+                    dist.barrier()
+                    t0, waited = time.perf_counter(), 0.0
+                    for batch in loader:
+                        work(batch, cost)  # a batch holds lengths: the dataset is the column
+                        t1 = time.perf_counter()
+                        dist.all_reduce(grad)
+                        waited += time.perf_counter() - t1
+                    dist.barrier()
+                    times[name].append(time.perf_counter() - t0)
+                    waits[name].append(waited)
+            results[cost] = {"times": times, "waits": waits}
         if rank == 0:
-            steps = cfg["n"] // world // cfg["batch_size"]
             with open(out_path, "w") as f:
-                json.dump({"times": times, "waits": waits, "steps": steps}, f)
+                json.dump(results, f)
     finally:
         dist.destroy_process_group()
 
 
-def measure_throughput(args, cost: str) -> dict:
+def measure_throughput(args, costs: list[str]) -> tuple[dict, dict, int]:
+    """Per cost mode the times and waits of both samplers; their cost imbalance; samples."""
     world = 2
     cfg = {"n": world * args.train_batch_size * args.steps, "median": args.median,
            "sigma": args.sigma, "max_len": args.max_len, "dim": args.dim,
            "grad_numel": args.grad_numel, "layers": args.layers,
-           "batch_size": args.train_batch_size, "rounds": args.rounds, "cost": cost,
+           "batch_size": args.train_batch_size, "rounds": args.rounds, "costs": costs,
            "sleep_us": args.sleep_us}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
@@ -177,12 +180,12 @@ def measure_throughput(args, cost: str) -> dict:
                  join=True)
         with open(out) as f:
             res = json.load(f)
-    res["samples"] = res["steps"] * args.train_batch_size * world
+    samples = cfg["n"] // (world * args.train_batch_size) * args.train_batch_size * world
     # The loop's own per-step cost imbalance, from its cost model, for both samplers.
     lengths = lognormal_lengths(cfg["n"], cfg["median"], cfg["sigma"], seed=2,
                                 max_len=cfg["max_len"])
     cost = torch.tensor([n * (1 + n / cfg["dim"]) for n in lengths], dtype=torch.float64)
-    res["imbalance"] = {}
+    imbalances = {}
     for name, make in (("torch", lambda r: DistributedSampler(lengths, world, r, seed=5)),
                        ("ours", lambda r: LoadBalancingDistributedSampler(lengths, lengths,
                                                                           world, r, seed=5))):
@@ -194,8 +197,8 @@ def measure_throughput(args, cost: str) -> dict:
                 sampler.set_epoch(epoch)
                 per_rank.append(fixed_batches(list(sampler), args.train_batch_size))
             runs.append(imbalance(step_costs(per_rank, cost)))
-        res["imbalance"][name] = statistics.mean(runs)
-    return res
+        imbalances[name] = statistics.mean(runs)
+    return res, imbalances, samples
 
 
 def main() -> None:
@@ -221,7 +224,7 @@ def main() -> None:
     p.add_argument("--skip-train", action="store_true")
     args = p.parse_args()
     if args.quick:
-        args.samples, args.epochs, args.steps, args.rounds = 20_000, 1, 40, 2
+        args.samples, args.epochs, args.steps, args.rounds = 20_000, 1, 30, 2
         args.world_sizes = [2, 8]
 
     print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: timings on a "
@@ -236,23 +239,21 @@ def main() -> None:
               f"{row['ours_budget']:>16.4f} {row['torch'] / row['ours']:>6.3f}x")
     if args.skip_train:
         return
-    for cost in ("compute", "sleep") if args.cost == "both" else (args.cost,):
-        print_throughput(args, cost)
-
-
-def print_throughput(args, cost: str) -> None:
-    print(f"\n== 2-rank training loop over gloo: cost={cost}, batch {args.train_batch_size}, "
-          f"{args.steps} steps x {args.rounds} rounds per sampler (alternating), allreduce of "
-          f"{args.grad_numel} floats per step")
-    res = measure_throughput(args, cost)
-    tput = {k: res["samples"] * len(v) / sum(v) for k, v in res["times"].items()}
-    per_round = [a / b for a, b in zip(res["times"]["torch"], res["times"]["ours"])]
-    for name, label in (("torch", "DistributedSampler"), ("ours", "LoadBalancing")):
-        wait = sum(res["waits"][name]) / sum(res["times"][name])
-        print(f"{label:>19}: {tput[name]:9.1f} samples/s  (per-step cost imbalance "
-              f"{res['imbalance'][name]:.3f}; rank 0 waits in allreduce {wait:5.1%})")
-    print(f"{'throughput ratio':>19}: {tput['ours'] / tput['torch']:.3f}x  (per round: "
-          + ", ".join(f"{r:.3f}" for r in per_round) + ")")
+    costs = ["compute", "sleep"] if args.cost == "both" else [args.cost]
+    results, imbalances, samples = measure_throughput(args, costs)
+    for cost in costs:
+        res = results[cost]
+        print(f"\n== 2-rank training loop over gloo: cost={cost}, batch "
+              f"{args.train_batch_size}, {args.steps} steps x {args.rounds} rounds per sampler "
+              f"(alternating), allreduce of {args.grad_numel} floats per step")
+        tput = {k: samples * len(v) / sum(v) for k, v in res["times"].items()}
+        per_round = [a / b for a, b in zip(res["times"]["torch"], res["times"]["ours"])]
+        for name, label in (("torch", "DistributedSampler"), ("ours", "LoadBalancing")):
+            wait = sum(res["waits"][name]) / sum(res["times"][name])
+            print(f"{label:>19}: {tput[name]:9.1f} samples/s  (per-step cost imbalance "
+                  f"{imbalances[name]:.3f}; rank 0 waits in allreduce {wait:5.1%})")
+        print(f"{'throughput ratio':>19}: {tput['ours'] / tput['torch']:.3f}x  (per round: "
+              + ", ".join(f"{r:.3f}" for r in per_round) + ")")
     sys.stdout.flush()
 
 
