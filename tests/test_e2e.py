@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ def _run(tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "e2e.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e.py"), *TINY,
                         "--json", str(out), "--plot", str(tmp_path / "e2e.png"),
-                        "--workdir", str(tmp_path / "work"), "--testbed-name", "e2et",
+                        "--workdir", str(tmp_path / "work"), "--testbed-name", f"e2t{os.getpid() % 100000}",
                         "--stall-seconds", "120", *extra],
                        capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -26,6 +27,14 @@ from testbed._shaping import FLOW_CLASSES, shape_commands  # noqa: E402
 
 OK, WHY = _available()
 ROOT_MODE = OK and WHY.startswith("root")
+
+
+def _name(prefix: str) -> str:
+    """A testbed name unique to this test run (two runs at once must not share one)."""
+    return f"{prefix}{os.getpid() % 100000}"
+
+
+TBU, TBK, TBS, TBW, TBR = (_name(p) for p in ("tbu", "tbk", "tbs", "tbw", "tbr"))
 needs_root = pytest.mark.skipif(not ROOT_MODE, reason=f"needs root network namespaces: {WHY}")
 
 
@@ -76,7 +85,7 @@ def test_hosts_come_up_talk_and_go_down(mode):
     if mode == "unshare" and subprocess.run(["unshare", "--user", "--map-root-user", "true"],
                                             capture_output=True).returncode != 0:
         pytest.skip("user namespaces unavailable")
-    with Testbed(n_hosts=3, bandwidth_mbit=None, name="tbu", mode=mode) as tb:
+    with Testbed(n_hosts=3, bandwidth_mbit=None, name=TBU, mode=mode) as tb:
         addrs = [h.addr for h in tb.hosts]
         assert len(set(addrs)) == 3 and all(a.startswith("198.18.") for a in addrs)
         for i, h in enumerate(tb.hosts):
@@ -96,8 +105,8 @@ def test_hosts_come_up_talk_and_go_down(mode):
                    timeout=30)
             assert srv.communicate(timeout=30)[0].strip() == "b'hi'"
         if mode != "unshare":
-            assert len(leftovers("tbu")["netns"]) == 3
-    assert leftovers("tbu") == {"netns": [], "links": []}
+            assert len(leftovers(TBU)["netns"]) == 3
+    assert leftovers(TBU) == {"netns": [], "links": []}
 
 
 _HOLD = textwrap.dedent("""
@@ -124,33 +133,33 @@ def _hold(name: str, how: str) -> subprocess.Popen:
 @pytest.mark.testbed
 @needs_root
 def test_a_killed_run_is_swept_by_the_next_one():
-    p = _hold("tbk", "kill")
+    p = _hold(TBK, "kill")
     assert p.wait(timeout=30) == -signal.SIGKILL
-    left = leftovers("tbk")
-    assert len(left["netns"]) == 2 and "tbk-br" in left["links"]
-    with Testbed(n_hosts=1, bandwidth_mbit=None, name="tbk") as tb:
-        assert leftovers("tbk")["netns"] == [tb.hosts[0].netns]
-    assert leftovers("tbk") == {"netns": [], "links": []}
-    assert sweep("tbk") == {"netns": [], "links": []}
+    left = leftovers(TBK)
+    assert len(left["netns"]) == 2 and f"{TBK}-br" in left["links"]
+    with Testbed(n_hosts=1, bandwidth_mbit=None, name=TBK) as tb:
+        assert leftovers(TBK)["netns"] == [tb.hosts[0].netns]
+    assert leftovers(TBK) == {"netns": [], "links": []}
+    assert sweep(TBK) == {"netns": [], "links": []}
 
 
 @pytest.mark.testbed
 @needs_root
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_tears_the_testbed_down(sig):
-    p = _hold("tbs", "hold")
-    assert len(leftovers("tbs")["netns"]) == 2
+    p = _hold(TBS, "hold")
+    assert len(leftovers(TBS)["netns"]) == 2
     with pytest.raises(RuntimeError, match="in use by pid"):
-        Testbed(n_hosts=1, name="tbs")  # a live owner's testbed is never swept
+        Testbed(n_hosts=1, name=TBS)  # a live owner's testbed is never swept
     p.send_signal(sig)
     p.wait(timeout=30)
-    assert leftovers("tbs") == {"netns": [], "links": []}
+    assert leftovers(TBS) == {"netns": [], "links": []}
 
 
 @pytest.mark.testbed
 @needs_root
 def test_shaping_really_limits_bandwidth():
-    with Testbed(n_hosts=2, bandwidth_mbit=None, name="tbw") as tb:
+    with Testbed(n_hosts=2, bandwidth_mbit=None, name=TBW) as tb:
         free = measure_tcp(tb, 0, 1, seconds=1.0)["total_mbit"]
         tb.reshape(bandwidth_mbit=40)
         slow = measure_tcp(tb, 0, 1, seconds=2.0)["total_mbit"]
@@ -192,7 +201,7 @@ _ALLREDUCE = textwrap.dedent("""
 def test_two_host_torchrun_rendezvouses_across_namespaces(tmp_path):
     script = tmp_path / "allreduce.py"
     script.write_text(_ALLREDUCE)
-    with Testbed(n_hosts=2, bandwidth_mbit=1000, name="tbr") as tb:
+    with Testbed(n_hosts=2, bandwidth_mbit=1000, name=TBR) as tb:
         procs = [tb.popen(i, tb.torchrun_argv(i, [script], rdzv_id="test"),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for i in range(2)]
