@@ -217,3 +217,25 @@ def test_two_host_torchrun_rendezvouses_across_namespaces(tmp_path):
         for r in results:
             assert r["world"] == 2 and r["sum"] == expected
             assert r["master"] in {h.addr for h in tb.hosts}
+
+
+@pytest.mark.testbed
+@needs_root
+def test_command_line_up_status_down():
+    name = _name("tbc")
+    cli = [sys.executable, str(ROOT / "benchmarks" / "testbed")]
+    up = subprocess.run([*cli, "up", "--name", name, "--hosts", "2", "--mbit", "50"],
+                        capture_output=True, text=True, timeout=60)
+    try:
+        assert up.returncode == 0, up.stderr
+        assert leftovers(name)["netns"] == [f"{name}-h0", f"{name}-h1"]  # outlives the command
+        status = subprocess.run([*cli, "status", "--name", name], capture_output=True,
+                                text=True, timeout=60).stdout
+        assert f"{name}-h1" in status and "tbf" in status and "rate 50Mbit" in status
+        with pytest.raises(RuntimeError, match="brought up to stay"):
+            Testbed(n_hosts=1, name=name)  # never swept from under its user
+    finally:
+        down = subprocess.run([*cli, "down", "--name", name], capture_output=True, text=True,
+                              timeout=60)
+    assert down.returncode == 0 and "removed 2 namespaces" in down.stdout
+    assert leftovers(name) == {"netns": [], "links": []}
