@@ -59,7 +59,8 @@ def check_targets(runs: list[dict]) -> list[dict]:
 _COLUMNS = [("bandwidth", "left"), ("algorithm", "left"), ("samples/s", "right"),
            ("x DDP", "right"), ("step ms", "right"), ("compute ms", "right"),
            ("comm ms", "right"), ("MB/step/rank", "right"),
-           ("loss@N", "right"), ("loss@T", "right"), ("note", "left")]
+           ("eval loss@N", "right"), ("eval loss@T", "right"),
+           ("note", "left")]
 
 
 def _rows(runs: list[dict]) -> list[list[str]]:

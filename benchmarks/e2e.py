@@ -270,8 +270,9 @@ def main(argv=None) -> int:
     data = MarkovText(args.size)
     console.print(f"model: transformer '{args.size}', {num_params(model) / 1e6:.2f}M "
                   f"parameters; data: Markov text (loss from {initial_loss(data.vocab):.2f} "
-                  f"to at best {data.entropy():.2f}); {args.steps} timed steps of "
-                  f"{args.batch_size} sequences per rank; loss@T at T={args.wall_seconds:g}s")
+                  f"to at best {data.entropy():.2f}); {args.steps} timed steps (N) of "
+                  f"{args.batch_size} sequences per rank; held-out loss after N steps and "
+                  f"after T={args.wall_seconds:g}s of training")
     args.workdir.mkdir(parents=True, exist_ok=True)
     launcher = Launcher(args, tb)
     runs: list[dict] = []
