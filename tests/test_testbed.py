@@ -113,6 +113,8 @@ _HOLD = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, sys.argv[1])
     from testbed import Testbed
+    # A background parent may have left SIGINT ignored; this run wants Ctrl-C's behaviour.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     tb = Testbed(n_hosts=2, bandwidth_mbit=50, name=sys.argv[2])
     tb.__enter__()
     tb.popen(0, ["sleep", "600"])

@@ -307,6 +307,8 @@ class Testbed:
     def __enter__(self) -> Testbed:
         if threading.current_thread() is threading.main_thread() and not self.keep:
             for sig in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(sig) is signal.SIG_IGN:
+                    continue  # an ignored signal stays ignored (e.g. jobs started with `&`)
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         return self
 
