@@ -125,9 +125,11 @@ class BaguaBucket:
     def grad_views(self) -> list[torch.Tensor]:
         return list(self._grad_views)
 
-    def check_flat(self) -> bool:
-        """True when every gradient is a view of ``grad`` (and weights of ``weight``)."""
-        ok = all(_same_storage(p.grad, v) for p, v in zip(self.params, self._grad_views))
+    def check_flat(self, grads: bool = True) -> bool:
+        """True when every gradient is a view of ``grad`` (unless ``grads=False``) and, for
+        flattened weights, every parameter a view of ``weight``."""
+        ok = not grads or all(_same_storage(p.grad, v)
+                              for p, v in zip(self.params, self._grad_views))
         if self.weight is not None and self.flatten:
             ok = ok and all(_same_storage(p.data, v)
                             for p, v in zip(self.params, self._weight_views))
