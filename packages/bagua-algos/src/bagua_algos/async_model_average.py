@@ -62,8 +62,14 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self.pending = [torch.zeros_like(b.weight) for b in buckets]
         self.has_pending = False
         for opt in module.optimizers:
-            self._opt_hooks.append(opt.register_step_pre_hook(lambda *_: self.lock.acquire()))
-            self._opt_hooks.append(opt.register_step_post_hook(lambda *_: self.lock.release()))
+            self._opt_hooks.append(opt.register_step_pre_hook(self._lock_step))
+            self._opt_hooks.append(opt.register_step_post_hook(self._unlock_step))
+
+    def _lock_step(self, *_):
+        self.lock.acquire()
+
+    def _unlock_step(self, *_):
+        self.lock.release()
 
     # -- training thread ------------------------------------------------------------------------
     def forward_pre_hook(self, module):
@@ -134,8 +140,8 @@ class AsyncModelAverageImpl(AlgorithmImpl):
             self.stopped = True
 
     def _average_once(self):
-        with self.lock:
-            snaps = [b.gather_weights().clone() for b in self.buckets]
+        with self.lock:   # the weights as the next forward will see them
+            snaps = [b.gather_weights() + delta for b, delta in zip(self.buckets, self.pending)]
         for s in snaps:
             avg = s.clone()
             bc.allreduce_inplace(avg, bc.ReduceOp.AVG, group=self.bg_group)
