@@ -125,7 +125,8 @@ class AlgorithmImpl:
             open_[key].append(t)
             sizes[key] = sizes.get(key, 0) + nbytes
         buckets.extend(b for b in open_.values() if b)
-        return buckets
+        order = {id(t): i for i, t in enumerate(tensors)}
+        return sorted(buckets, key=lambda b: order[id(b[0])])   # launch in readiness order
 
     def init_operations(self, module: BaguaModule, buckets: list[BaguaBucket]) -> None:
         """Allocate per-bucket state once buckets exist."""
