@@ -18,20 +18,21 @@ from bagua_algos import GradientAllReduce, with_bagua
 from bagua_comm.testing import run_ranks
 
 STEPS, LR = 12, 0.05
+CONFIGS = {"flat_one_bucket": (True, None), "flat_small_buckets": (True, 200),
+           "unflattened": (False, 200)}
 
 
-def _train_allreduce(hierarchical, do_flatten, bucket_size):
+def train_allreduce(algorithm, do_flatten=True, bucket_size=200):
     model = make_model(seed=bc.get_rank() + 1)          # ranks start apart: rank 0's wins
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    model = with_bagua(model, [opt], GradientAllReduce(hierarchical=hierarchical),
-                       do_flatten=do_flatten, bucket_size=bucket_size)
+    model = with_bagua(model, [opt], algorithm, do_flatten=do_flatten, bucket_size=bucket_size)
     before = eval_loss(model, bc.get_world_size())
     train(model, opt, STEPS)
     flat = all(b.check_flat() for b in model.buckets)
     return params(model), before, eval_loss(model, bc.get_world_size()), len(model.buckets), flat
 
 
-def _check(results, world):
+def check_equals_full_batch(results, world):
     ref = reference_full_batch(STEPS, world, LR, seed=1)
     first = results[0][0]
     for res in results:
@@ -39,21 +40,6 @@ def _check(results, world):
     for got, want in zip(first, ref):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert results[0][2] < 0.7 * results[0][1]
-
-
-@pytest.mark.parametrize("do_flatten,bucket_size", [(True, None), (True, 200), (False, 200)])
-def test_flat_allreduce_equals_full_batch_training(do_flatten, bucket_size):
-    results = run_ranks(_train_allreduce, 2, args=(False, do_flatten, bucket_size))
-    _check(results, 2)
-    if bucket_size:
-        assert results[0][3] > 2                         # several buckets were overlapped
-    assert results[0][4] is do_flatten                   # grads are views of the buckets
-
-
-def test_hierarchical_allreduce_on_two_nodes_of_two():
-    results = run_ranks(_train_allreduce, 4, local_world_size=2, args=(True, True, 200),
-                        timeout=180)
-    _check(results, 4)
 
 
 def _no_sync_accumulation():
@@ -78,6 +64,28 @@ def _no_sync_accumulation():
     return [torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip(params(model), params(ref))]
 
 
-def test_no_sync_accumulation_equals_full_batch():
-    for res in run_ranks(_no_sync_accumulation, 2):
-        assert all(res)
+def _two_ranks():
+    out = {name: train_allreduce(GradientAllReduce(hierarchical=False), *cfg)
+           for name, cfg in CONFIGS.items()}
+    out["no_sync"] = _no_sync_accumulation()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(_two_ranks, 2, timeout=180)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_flat_allreduce_equals_full_batch_training(two_ranks, config):
+    results = [r[config] for r in two_ranks]
+    check_equals_full_batch(results, 2)
+    do_flatten, bucket_size = CONFIGS[config]
+    if bucket_size:
+        assert results[0][3] > 2                         # several buckets were overlapped
+    assert results[0][4] is do_flatten                   # grads are views of the buckets
+
+
+def test_no_sync_accumulation_equals_full_batch(two_ranks):
+    for r in two_ranks:
+        assert all(r["no_sync"])

@@ -1,0 +1,62 @@
+"""Hierarchical modes on 4 ranks emulating 2 nodes of 2 (one spawn for all of them)."""
+
+import pytest
+import torch
+from test_decentralized import _run, has_compression, reference_dpsgd
+from test_gradient_allreduce import check_equals_full_batch, train_allreduce
+
+import bagua_comm as bc
+from bagua_algos import ByteGrad, Decentralized, GradientAllReduce, LowPrecisionDecentralized
+from bagua_comm.testing import run_ranks
+
+
+def _four_ranks():
+    out = {"gradient_allreduce": train_allreduce(GradientAllReduce(hierarchical=True))}
+    for name, algo, mode in (
+            ("decentralized_all", Decentralized(hierarchical=True), "all"),
+            ("shift_one_flat", Decentralized(hierarchical=False, peer_selection_mode="shift_one"),
+             "shift_one")):
+        out[name] = (_run(algo), reference_dpsgd(mode, 1))
+    if has_compression():
+        out["bytegrad"] = train_allreduce(ByteGrad(hierarchical=True))
+        out["low_precision"] = _run(LowPrecisionDecentralized(hierarchical=True))
+    # hierarchical shift_one pairs node leaders: 2 nodes -> always the other node
+    out["node"] = bc.get_node_rank()
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_ranks(_four_ranks, 4, local_world_size=2, timeout=240)
+
+
+def test_hierarchical_allreduce_equals_full_batch(four_ranks):
+    check_equals_full_batch([r["gradient_allreduce"] for r in four_ranks], 4)
+
+
+@pytest.mark.parametrize("case", ["decentralized_all", "shift_one_flat"])
+def test_decentralized_matches_reference_on_four_ranks(four_ranks, case):
+    for r in four_ranks:
+        (got, before, after, _), ref = r[case]
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+        assert after < 0.8 * before
+
+
+def test_hierarchical_bytegrad_keeps_ranks_identical_and_trains(four_ranks):
+    if "bytegrad" not in four_ranks[0]:
+        pytest.skip("bagua_comm.compression is not available yet")
+    first = four_ranks[0]["bytegrad"]
+    for r in four_ranks:
+        assert all(torch.equal(a, b) for a, b in zip(r["bytegrad"][0], first[0]))
+    assert first[2] < 0.7 * first[1]
+
+
+def test_hierarchical_low_precision_keeps_nodes_identical_and_trains(four_ranks):
+    if "low_precision" not in four_ranks[0]:
+        pytest.skip("bagua_comm.compression is not available yet")
+    for a, b in ((0, 1), (2, 3)):            # ranks of a node share the broadcast weights
+        torch.testing.assert_close(four_ranks[a]["low_precision"][0],
+                                   four_ranks[b]["low_precision"][0], atol=0, rtol=0)
+    for r in four_ranks:
+        _, before, after, _ = r["low_precision"]
+        assert after < 0.8 * before
