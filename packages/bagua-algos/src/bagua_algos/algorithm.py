@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .module import BaguaModule
 
 _REGISTRY: dict[str, type[Algorithm]] = {}
+FIRST_BUCKET_SIZE = 1024 * 1024
 
 
 class Algorithm:
@@ -111,15 +112,21 @@ class AlgorithmImpl:
 
     def tensors_to_buckets(self, tensors: list[torch.Tensor],
                            bucket_size: int) -> list[list[torch.Tensor]]:
-        """Split per dtype (and device), filling each bucket up to ``bucket_size`` bytes."""
+        """Split per dtype (and device), filling each bucket up to ``bucket_size`` bytes.
+
+        The first bucket of each dtype is capped at ``FIRST_BUCKET_SIZE`` (1 MiB) so that
+        communication starts early in backward, overlapping the rest of it."""
         open_: OrderedDict[Any, list] = OrderedDict()
         sizes: dict[Any, int] = {}
         buckets = []
+        started: set = set()
         for t in tensors:
             key = (t.dtype, t.device)
             open_.setdefault(key, [])
             nbytes = t.numel() * t.element_size()
-            if open_[key] and sizes[key] + nbytes > bucket_size:
+            cap = bucket_size if key in started else min(bucket_size, FIRST_BUCKET_SIZE)
+            if open_[key] and sizes[key] + nbytes > cap:
+                started.add(key)
                 buckets.append(open_[key])
                 open_[key], sizes[key] = [], 0
             open_[key].append(t)
