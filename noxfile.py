@@ -1,6 +1,7 @@
 """Sessions for the bagua monorepo (same names for every package).
 
-    nox -s tests-bagua-comm      one package alone (plus what it declares), its own tests
+    nox -s tests-bagua-comm      build one package's wheel, install it alone (plus what it
+                                 declares) in a fresh venv, run its own tests
     nox -t tests                 the five of them
     nox -s integration           all five installed together, top-level tests/
     nox -s lint                  ruff, cython-lint, import-linter contracts
@@ -25,7 +26,7 @@ PACKAGES = ["bagua-comm", "bagua-algos", "bagua-optim", "bagua-data", "bagua-net
 # Siblings each package needs, installed by path before it (DESIGN.md section 2).
 SIBLINGS = {"bagua-algos": ["bagua-comm"]}
 TORCH = os.environ.get("BAGUA_NOX_TORCH", "torch==2.13.0")
-NEEDS_TORCH = {"bagua-comm", "bagua-algos", "bagua-optim", "bagua-data"}
+NEEDS_TORCH = {"bagua-comm", "bagua-algos", "bagua-optim", "bagua-data"}  # torch first, pinned
 
 nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["lint", *(f"tests-{p}" for p in PACKAGES), "integration"]
@@ -45,7 +46,7 @@ def _install_torch(session: nox.Session) -> None:
 
 
 def _install(session: nox.Session, package: str, extras: str = "") -> None:
-    """Install ``package`` (non-editable, so tests see what users get) and its siblings."""
+    """Install ``package`` from its path (non-editable) after its siblings."""
     for sib in SIBLINGS.get(package, []):
         session.install(_pkg(sib))
     session.install(f"{_pkg(package)}{extras}")
@@ -60,47 +61,66 @@ def _pytest(session: nox.Session, *paths: str, gpu: bool = False) -> None:
                 env={"PYTHONDONTWRITEBYTECODE": "1"})
 
 
+def _build(session: nox.Session, package: str) -> Path:
+    """Build ``package``'s sdist, then its wheel from that sdist; return the wheel."""
+    session.install("build")
+    dist = Path(session.create_tmp()) / "dist"
+    if dist.exists():
+        for old in dist.iterdir():
+            old.unlink()
+    session.run("python", "-m", "build", "--outdir", str(dist), _pkg(package), silent=True)
+    wheels, sdists = sorted(dist.glob("*.whl")), sorted(dist.glob("*.tar.gz"))
+    if len(wheels) != 1 or len(sdists) != 1:
+        session.error(f"expected one wheel and one sdist in {dist}, found {wheels + sdists}")
+    if package == "bagua-net" and wheels[0].name.endswith("-none-any.whl"):
+        session.error("bagua-net must be a platform wheel (it carries a C library)")
+    session.log(f"built {wheels[0].name} and {sdists[0].name}")
+    return wheels[0]
+
+
+def _check_import_alone(session: nox.Session, package: str, python: str = "python") -> None:
+    """``import bagua_x`` works from site-packages and pulls in no other bagua package."""
+    name = _import_name(package)
+    allowed = [name, *map(_import_name, SIBLINGS.get(package, []))]
+    check = (f"import sys, {name}; "
+             f"others = sorted(m for m in sys.modules if m.startswith('bagua_') "
+             f"and m.split('.')[0] not in {allowed!r}); "
+             f"assert not others, others; "
+             f"assert 'site-packages' in {name}.__file__, {name}.__file__; "
+             f"print({name}.__name__, {name}.__version__, {name}.__file__)")
+    session.run(python, "-c", check, external=True)
+
+
 def _make_tests(package: str):
     def tests(session: nox.Session) -> None:
-        if package in NEEDS_TORCH or package in SIBLINGS:
+        wheel = _build(session, package)
+        if package in NEEDS_TORCH:
             _install_torch(session)
-        _install(session, package, "[test]")
+        for sib in SIBLINGS.get(package, []):
+            session.install(_pkg(sib))
+        session.install(f"{wheel}[test]")
+        _check_import_alone(session, package)
         _pytest(session, f"packages/{package}/tests")
 
-    tests.__doc__ = f"{package} installed alone (plus what it declares): its own tests."
+    tests.__doc__ = (f"{package}: build its wheel, install it alone (plus what it declares) in a "
+                     "fresh venv, run its tests.")
     return tests
 
 
 def _make_build(package: str):
     def build(session: nox.Session) -> None:
-        session.install("build")
-        dist = Path(session.create_tmp()) / "dist"
-        session.run("python", "-m", "build", "--outdir", str(dist), _pkg(package))
-        wheels = sorted(dist.glob("*.whl"))
-        sdists = sorted(dist.glob("*.tar.gz"))
-        if len(wheels) != 1 or len(sdists) != 1:
-            session.error(f"expected one wheel and one sdist in {dist}, found {wheels + sdists}")
+        wheel = _build(session, package)
         # A fresh venv with nothing from this repo but the wheel (and its declared siblings).
         venv = Path(session.create_tmp()) / "fresh"
-        session.run("python", "-m", "venv", str(venv))
+        session.run("python", "-m", "venv", "--clear", str(venv))
         py = str(venv / "bin" / "python")
         pip = [py, "-m", "pip", "install", "-q"]
-        if package in NEEDS_TORCH or package in SIBLINGS:
+        if package in NEEDS_TORCH:
             session.run(*pip, TORCH, external=True)
         for sib in SIBLINGS.get(package, []):
             session.run(*pip, _pkg(sib), external=True)
-        session.run(*pip, str(wheels[0]), external=True)
-        name = _import_name(package)
-        check = (f"import sys, {name}; "
-                 f"others = sorted(m for m in sys.modules if m.startswith('bagua_') "
-                 f"and m.split('.')[0] not in {[name, *map(_import_name, SIBLINGS.get(package, []))]!r}); "
-                 f"assert not others, others; "
-                 f"assert 'site-packages' in {name}.__file__; "
-                 f"print({name}.__name__, {name}.__version__, {name}.__file__)")
-        session.run(py, "-c", check, external=True)
-        if package == "bagua-net" and "-none-any" in wheels[0].name:
-            session.error("bagua-net must be a platform wheel (it carries a C library)")
-        session.log(f"built {wheels[0].name} and {sdists[0].name}")
+        session.run(*pip, str(wheel), external=True)
+        _check_import_alone(session, package, py)
 
     build.__doc__ = f"Build {package}'s sdist and wheel; install the wheel alone; import it."
     return build
@@ -108,7 +128,7 @@ def _make_build(package: str):
 
 for _p in PACKAGES:
     nox.session(name=f"tests-{_p}", tags=["tests", "ci"])(_make_tests(_p))
-    nox.session(name=f"build-{_p}", tags=["build", "ci"])(_make_build(_p))
+    nox.session(name=f"build-{_p}", tags=["build"])(_make_build(_p))
 
 
 @nox.session(tags=["ci"])
