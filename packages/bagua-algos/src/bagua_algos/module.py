@@ -58,6 +58,8 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
 
 
 def _broadcast_tensors(tensors: Iterable[torch.Tensor], group: bc.ProcessGroup) -> None:
+    if group.size == 1:
+        return
     by_key: dict = {}
     for t in tensors:
         by_key.setdefault((t.dtype, t.device), []).append(t)
@@ -91,7 +93,7 @@ class BaguaModule(torch.nn.Module):
         self._comm_stream = None
 
         _broadcast_tensors(list(module.parameters()) + list(module.buffers()), group)
-        for opt in optimizers:
+        for opt in optimizers if group.size > 1 else ():
             state = bc.broadcast_object(opt.state_dict() if group.rank == 0 else None, 0,
                                         group=group)
             if group.rank != 0:
@@ -168,13 +170,14 @@ class BaguaModule(torch.nn.Module):
     def _backward_end(self) -> None:
         try:
             self._launch(force=True)
-            for b, handle in self._handles:
+            for _, handle in self._handles:
                 if handle is not None:
                     handle.wait()
-                b.scatter_grads()
-            if self._comm_stream is not None:
+            if self._comm_stream is not None:     # GPU: order, don't block the host
                 torch.cuda.current_stream(self._comm_stream.device).wait_stream(
                     self._comm_stream)
+            for b, _ in self._handles:
+                b.scatter_grads()
         finally:
             self._handles.clear()
             self._ready.clear()
