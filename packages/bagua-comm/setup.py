@@ -1,10 +1,18 @@
 """Cython extensions of bagua-comm: they link only libdl (libnccl is dlopen'ed at run time)."""
 
+import sys
+
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
+# The MinMaxUInt8 kernels must round exactly like the numpy reference and the CUDA kernels:
+# optimise, but never contract a*b+c into an FMA or reassociate float arithmetic.
+KERNEL_FLAGS = [] if sys.platform == "win32" else ["-O3", "-ffp-contract=off", "-fno-trapping-math"]
+
 extensions = [
     Extension("bagua_comm._nccl", ["src/bagua_comm/_nccl.pyx"], libraries=["dl"]),
+    Extension("bagua_comm._minmax", ["src/bagua_comm/_minmax.pyx"],
+              extra_compile_args=KERNEL_FLAGS),
 ]
 
 setup(ext_modules=cythonize(extensions, language_level=3,

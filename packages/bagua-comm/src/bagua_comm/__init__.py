@@ -4,9 +4,12 @@ CPU tensors travel through torch.distributed's gloo backend; GPU tensors through
 binding to libnccl, loaded at first use (nothing CUDA-related is imported here).
 """
 
-from . import traffic
+from . import bucket, compression, traffic
+from ._compressed import compressed_allreduce
+from ._nccl import NcclError
 from ._nccl_loader import nccl_available, nccl_version
 from ._version import __version__
+from .bucket import Bucket
 from .ops import ReduceOp
 from .primitives import (
     allgather,
@@ -47,9 +50,10 @@ from .process_group import (
 from .work import Work
 
 __all__ = [
-    "ProcessGroup", "ReduceOp", "Work", "__version__", "allgather", "allgather_inplace",
-    "allreduce", "allreduce_inplace", "alltoall", "alltoall_inplace", "alltoall_v", "barrier",
-    "broadcast", "broadcast_object", "destroy_process_group", "gather", "gather_inplace",
+    "Bucket", "NcclError", "ProcessGroup", "ReduceOp", "Work", "__version__",
+    "allgather", "allgather_inplace", "allreduce", "allreduce_inplace", "alltoall",
+    "alltoall_inplace", "alltoall_v", "barrier", "broadcast", "broadcast_object", "bucket",
+    "compressed_allreduce", "compression", "destroy_process_group", "gather", "gather_inplace",
     "get_backend", "get_default_group", "get_local_rank", "get_local_size", "get_node_rank",
     "get_rank", "get_world_size", "init_process_group", "is_initialized", "nccl_available",
     "nccl_version", "new_group", "recv", "reduce", "reduce_inplace", "reduce_scatter",

@@ -30,3 +30,4 @@ ctypedef ncclResult_t (*ReduceScatter_t)(const void*, void*, size_t, ncclDataTyp
 ctypedef ncclResult_t (*SendRecv_t)(void*, size_t, ncclDataType_t, int, ncclComm_t,
                                     cudaStream_t) noexcept nogil
 ctypedef ncclResult_t (*Group_t)() noexcept nogil
+ctypedef ncclResult_t (*CommInfo_t)(ncclComm_t, int*) noexcept nogil

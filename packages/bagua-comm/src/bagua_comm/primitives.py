@@ -1,8 +1,10 @@
-"""Communication primitives (DESIGN.md section 4) on the gloo backend.
+"""Communication primitives (DESIGN.md section 4).
 
-Every primitive validates its arguments before communicating, records the bytes it sends
-(:mod:`bagua_comm.traffic`) and returns a :class:`~bagua_comm.work.Work` when
-``async_op=True``.
+Every primitive validates its arguments before communicating (:mod:`._validate`), records
+the bytes it sends (:mod:`bagua_comm.traffic`), then runs on the tensors' device: CPU tensors
+through the group's torch.distributed gloo group, CUDA tensors (``nccl`` backend) through our
+NCCL binding (:mod:`._nccl_ops`).  With ``async_op=True`` it returns a
+:class:`~bagua_comm.work.Work`; otherwise it returns once the result is in place.
 """
 
 from __future__ import annotations
@@ -10,88 +12,95 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import _validate as V
 from . import traffic
 from .ops import ReduceOp, to_torch
-from .process_group import ProcessGroup, get_default_group
 from .work import finish
 
-
-def _group(group) -> ProcessGroup:
-    g = get_default_group() if group is None else group
-    if not isinstance(g, ProcessGroup):
-        raise ValueError(f"group must be a bagua_comm.ProcessGroup or None, got {type(g).__name__}")
-    if not g.is_member():
-        raise ValueError(f"this rank is not a member of group {g.ranks}")
-    return g
+_HALF = (torch.float16, torch.bfloat16)
+# Newer torch renamed the tensor forms; the old names remain as deprecated aliases.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                          or dist.reduce_scatter_tensor)
 
 
-def _check_tensor(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name} is on {t.device}, but the gloo backend needs CPU tensors")
+def _nccl():
+    from . import _nccl_ops
 
-
-def _check_pair(send, recv, *, ratio_recv=1, ratio_send=1) -> None:
-    _check_tensor("send", send)
-    _check_tensor("recv", recv)
-    if send.dtype != recv.dtype:
-        raise ValueError(f"send and recv must have the same dtype, got {send.dtype} and {recv.dtype}")
-    if send.numel() * ratio_send != recv.numel() * ratio_recv:
-        raise ValueError(
-            f"size mismatch: recv.numel() ({recv.numel()}) must be "
-            f"{ratio_send}/{ratio_recv} x send.numel() ({send.numel()})")
-
-
-def _check_rank(name: str, r: int, g: ProcessGroup) -> None:
-    if not isinstance(r, int) or not 0 <= r < g.size:
-        raise ValueError(f"{name} must be a rank in [0, {g.size}) of the group, got {r!r}")
-
-
-def _avg(tensor, g, op):
-    if ReduceOp(op) is ReduceOp.AVG:
-        if not tensor.is_floating_point():
-            raise ValueError(f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}")
-        return lambda: tensor.div_(g.size)
-    return None
+    return _nccl_ops
 
 
 def _nbytes(t) -> int:
     return t.numel() * t.element_size()
 
 
+def _reduction(tensor, op, g, start):
+    """Start a gloo reduction of ``tensor`` with ``start(buf, torch_op) -> handle``.
+
+    AVG runs as SUM followed by a division at completion.  Should this torch's gloo lack a
+    16-bit float reduction, it runs on a float32 copy instead (every rank takes the same
+    path: the error is raised for the dtype, before anything is sent).
+    """
+    top = to_torch(op)
+    avg = op is ReduceOp.AVG
+    try:
+        h = start(tensor, top)
+        buf = tensor
+    except RuntimeError as err:
+        if tensor.dtype not in _HALF or "type" not in str(err).lower():
+            raise
+        buf = tensor.float()
+        h = start(buf, top)
+
+    def then():
+        if avg:
+            buf.div_(g.size)
+        if buf is not tensor:
+            tensor.copy_(buf)
+
+    return h, (then if avg or buf is not tensor else None)
+
+
 # -- point to point ------------------------------------------------------------------------
 def send(tensor, dst, *, group=None, async_op=False):
-    g = _group(group)
-    _check_tensor("tensor", tensor)
-    _check_rank("dst", dst, g)
+    """Send ``tensor`` to group rank ``dst`` (which calls :func:`recv`)."""
+    g = V.group(group)
+    V.tensor("tensor", tensor, g)
+    dst = V.rank("dst", dst, g, not_self=True)
     traffic.record("send", _nbytes(tensor))
+    if tensor.is_cuda:
+        return _nccl().send(tensor, dst, g, async_op)
     return finish([dist.isend(tensor, group=g.torch_group, group_dst=dst)], async_op=async_op)
 
 
 def recv(tensor, src, *, group=None, async_op=False):
-    g = _group(group)
-    _check_tensor("tensor", tensor)
-    _check_rank("src", src, g)
+    """Receive into ``tensor`` from group rank ``src``."""
+    g = V.group(group)
+    V.tensor("tensor", tensor, g)
+    src = V.rank("src", src, g, not_self=True)
+    if tensor.is_cuda:
+        return _nccl().recv(tensor, src, g, async_op)
     return finish([dist.irecv(tensor, group=g.torch_group, group_src=src)], async_op=async_op)
 
 
 # -- broadcast -----------------------------------------------------------------------------
 def broadcast(tensor, src=0, *, group=None, async_op=False):
-    g = _group(group)
-    _check_tensor("tensor", tensor)
-    _check_rank("src", src, g)
+    """Every rank's ``tensor`` becomes rank ``src``'s."""
+    g = V.group(group)
+    V.tensor("tensor", tensor, g)
+    src = V.rank("src", src, g)
     if g.rank == src:
         traffic.record("broadcast", _nbytes(tensor))
+    if tensor.is_cuda:
+        return _nccl().broadcast(tensor, src, g, async_op)
     h = dist.broadcast(tensor, group=g.torch_group, group_src=src, async_op=True)
     return finish([h], async_op=async_op)
 
 
 def broadcast_object(obj, src=0, *, group=None, async_op=False):
-    g = _group(group)
-    _check_rank("src", src, g)
+    """Rank ``src``'s picklable ``obj``, returned on every rank (always synchronous)."""
+    g = V.group(group)
+    src = V.rank("src", src, g)
     box = [obj if g.rank == src else None]
     dist.broadcast_object_list(box, group=g.torch_group, group_src=src)
     return box[0]
@@ -99,185 +108,226 @@ def broadcast_object(obj, src=0, *, group=None, async_op=False):
 
 # -- reduce --------------------------------------------------------------------------------
 def reduce(send, recv, dst, op=ReduceOp.SUM, *, group=None, async_op=False):
-    g = _group(group)
-    _check_pair(send, recv)
-    _check_rank("dst", dst, g)
+    """Reduce every rank's ``send`` into ``recv`` on rank ``dst`` (``recv`` may be None
+    elsewhere)."""
+    g = V.group(group)
+    dst = V.rank("dst", dst, g)
+    if g.rank == dst or recv is not None:
+        V.pair(send, recv, g)
+    else:
+        V.tensor("send", send, g)
+    op = V.op(op, send.dtype)
     if g.rank == dst:
         recv.copy_(send)
         buf = recv
     else:
         buf = send.clone()
-    return reduce_inplace(buf, dst, op, group=g, async_op=async_op)
+    return _reduce_inplace(buf, dst, op, g, async_op)
 
 
 def reduce_inplace(tensor, dst, op=ReduceOp.SUM, *, group=None, async_op=False):
-    g = _group(group)
-    _check_tensor("tensor", tensor)
-    _check_rank("dst", dst, g)
-    then = _avg(tensor, g, op)  # validates AVG on every rank; only dst divides
-    then = then if g.rank == dst else None
+    """Reduce every rank's ``tensor`` into ``tensor`` on rank ``dst``."""
+    g = V.group(group)
+    V.tensor("tensor", tensor, g)
+    dst = V.rank("dst", dst, g)
+    op = V.op(op, tensor.dtype)
+    return _reduce_inplace(tensor, dst, op, g, async_op)
+
+
+def _reduce_inplace(tensor, dst, op, g, async_op):
     traffic.record("reduce", _nbytes(tensor) * (g.size - 1) / g.size)
-    h = dist.reduce(tensor, op=to_torch(op), group=g.torch_group, group_dst=dst, async_op=True)
-    return finish([h], then, async_op)
+    if tensor.is_cuda:
+        return _nccl().reduce(tensor, tensor, dst, op, g, async_op)
+    h, then = _reduction(tensor, op, g, lambda t, o: dist.reduce(
+        t, op=o, group=g.torch_group, group_dst=dst, async_op=True))
+    # Non-destination ranks hold partial results: only dst averages (and copies back).
+    return finish([h], then if g.rank == dst else None, async_op)
 
 
 def allreduce(send, recv, op=ReduceOp.SUM, *, group=None, async_op=False):
-    _check_pair(send, recv)
-    recv.copy_(send)
-    return allreduce_inplace(recv, op, group=group, async_op=async_op)
+    """``recv`` = the reduction of every rank's ``send``."""
+    g = V.group(group)
+    V.pair(send, recv, g)
+    op = V.op(op, send.dtype)
+    if send.is_cuda:
+        traffic.record("allreduce", 2 * _nbytes(send) * (g.size - 1) / g.size)
+        return _nccl().allreduce(send, recv, op, g, async_op)
+    if recv.data_ptr() != send.data_ptr():
+        recv.copy_(send)
+    return _allreduce_inplace(recv, op, g, async_op)
 
 
 def allreduce_inplace(tensor, op=ReduceOp.SUM, *, group=None, async_op=False):
-    g = _group(group)
-    _check_tensor("tensor", tensor)
-    then = _avg(tensor, g, op)
+    """``tensor`` = the reduction of every rank's ``tensor``."""
+    g = V.group(group)
+    V.tensor("tensor", tensor, g)
+    op = V.op(op, tensor.dtype)
+    if tensor.is_cuda:
+        traffic.record("allreduce", 2 * _nbytes(tensor) * (g.size - 1) / g.size)
+        return _nccl().allreduce(tensor, tensor, op, g, async_op)
+    return _allreduce_inplace(tensor, op, g, async_op)
+
+
+def _allreduce_inplace(tensor, op, g, async_op):
     traffic.record("allreduce", 2 * _nbytes(tensor) * (g.size - 1) / g.size)
-    h = dist.all_reduce(tensor, op=to_torch(op), group=g.torch_group, async_op=True)
+    h, then = _reduction(tensor, op, g, lambda t, o: dist.all_reduce(
+        t, op=o, group=g.torch_group, async_op=True))
     return finish([h], then, async_op)
 
 
 # -- gather / scatter ----------------------------------------------------------------------
 def allgather(send, recv, *, group=None, async_op=False):
-    g = _group(group)
-    _check_pair(send, recv, ratio_send=g.size)
+    """``recv`` = every rank's ``send`` concatenated in rank order."""
+    g = V.group(group)
+    V.pair(send, recv, g, ratio_send=g.size)
     traffic.record("allgather", _nbytes(send) * (g.size - 1))
-    h = dist.all_gather(list(recv.chunk(g.size)), send, group=g.torch_group, async_op=True)
+    if send.is_cuda:
+        return _nccl().allgather(send, recv, g, async_op)
+    h = _all_gather_single(recv, send, group=g.torch_group, async_op=True)
     return finish([h], async_op=async_op)
 
 
 def allgather_inplace(tensor, *, group=None, async_op=False):
-    g = _group(group)
-    _check_tensor("tensor", tensor)
-    _check_divisible("tensor", tensor, g)
+    """Each rank contributes its own ``numel / size`` slice of ``tensor``; all get all."""
+    g = V.group(group)
+    V.tensor("tensor", tensor, g)
+    V.divisible("tensor", tensor, g)
     mine = tensor.chunk(g.size)[g.rank].clone()
     return allgather(mine, tensor, group=g, async_op=async_op)
 
 
 def gather(send, recv, dst, *, group=None, async_op=False):
-    g = _group(group)
-    _check_rank("dst", dst, g)
+    """Rank ``dst``'s ``recv`` = every rank's ``send`` in rank order (``recv`` may be None
+    elsewhere)."""
+    g = V.group(group)
+    dst = V.rank("dst", dst, g)
     if g.rank == dst:
-        _check_pair(send, recv, ratio_send=g.size)
-        chunks = list(recv.chunk(g.size))
+        V.pair(send, recv, g, ratio_send=g.size)
     else:
-        _check_tensor("send", send)
-        chunks = None
+        V.tensor("send", send, g)
         traffic.record("gather", _nbytes(send))
+    if send.is_cuda:
+        return _nccl().gather(send, recv, dst, g, async_op)
+    chunks = list(recv.chunk(g.size)) if g.rank == dst else None
     h = dist.gather(send, chunks, group=g.torch_group, group_dst=dst, async_op=True)
     return finish([h], async_op=async_op)
 
 
 def gather_inplace(tensor, count, dst, *, group=None, async_op=False):
-    g = _group(group)
-    _check_tensor("tensor", tensor)
-    _check_count(tensor, count, g)
+    """Rank ``dst`` gathers every rank's ``tensor[rank * count:(rank + 1) * count]`` into
+    ``tensor[:size * count]``."""
+    g = V.group(group)
+    V.tensor("tensor", tensor, g)
+    count = V.count(tensor, count, g)
     send_ = tensor[g.rank * count:(g.rank + 1) * count].clone()
-    recv_ = tensor[:count * g.size]
-    return gather(send_, recv_, dst, group=g, async_op=async_op)
+    return gather(send_, tensor[:count * g.size], dst, group=g, async_op=async_op)
 
 
 def scatter(send, recv, src, *, group=None, async_op=False):
-    g = _group(group)
-    _check_rank("src", src, g)
+    """Rank ``src``'s ``send`` split in ``size`` parts; rank ``i`` gets part ``i`` in
+    ``recv`` (``send`` may be None on other ranks)."""
+    g = V.group(group)
+    src = V.rank("src", src, g)
     if g.rank == src:
-        _check_pair(send, recv, ratio_recv=g.size)
-        chunks = list(send.chunk(g.size))
+        V.pair(send, recv, g, ratio_recv=g.size)
         traffic.record("scatter", _nbytes(send) * (g.size - 1) / g.size)
     else:
-        _check_tensor("recv", recv)
-        chunks = None
+        V.tensor("recv", recv, g)
+    if recv.is_cuda:
+        return _nccl().scatter(send, recv, src, g, async_op)
+    chunks = list(send.chunk(g.size)) if g.rank == src else None
     h = dist.scatter(recv, chunks, group=g.torch_group, group_src=src, async_op=True)
     return finish([h], async_op=async_op)
 
 
 def scatter_inplace(tensor, count, src, *, group=None, async_op=False):
-    g = _group(group)
-    _check_tensor("tensor", tensor)
-    _check_count(tensor, count, g)
+    """Rank ``i`` receives ``tensor[i * count:(i + 1) * count]`` of rank ``src``, in place."""
+    g = V.group(group)
+    V.tensor("tensor", tensor, g)
+    count = V.count(tensor, count, g)
     out = tensor[g.rank * count:(g.rank + 1) * count]
-    send_ = tensor[:count * g.size].clone() if g.rank == src else tensor[:count * g.size]
+    send_ = tensor[:count * g.size].clone() if g.rank == src else None
     return scatter(send_, out, src, group=g, async_op=async_op)
 
 
 # -- reduce_scatter / alltoall -------------------------------------------------------------
 def reduce_scatter(send, recv, op=ReduceOp.SUM, *, group=None, async_op=False):
-    """Each rank gets the reduction of its own chunk: an alltoall then a local reduction."""
-    g = _group(group)
-    _check_pair(send, recv, ratio_recv=g.size)
-    staged = torch.empty_like(send)
+    """``recv`` on rank ``i`` = the reduction of part ``i`` of every rank's ``send``."""
+    g = V.group(group)
+    V.pair(send, recv, g, ratio_recv=g.size)
+    op = V.op(op, send.dtype)
     traffic.record("reduce_scatter", _nbytes(send) * (g.size - 1) / g.size)
-    h = dist.all_to_all_single(staged, send, group=g.torch_group, async_op=True)
+    if send.is_cuda:
+        return _nccl().reduce_scatter(send, recv, op, g, async_op)
+    top = to_torch(op)
+    try:
+        h = _reduce_scatter_single(recv, send, op=top, group=g.torch_group, async_op=True)
+        buf = recv
+    except RuntimeError as err:
+        if send.dtype not in _HALF or "type" not in str(err).lower():
+            raise
+        buf = torch.empty(recv.numel(), dtype=torch.float32)
+        h = _reduce_scatter_single(buf, send.float(), op=top, group=g.torch_group,
+                                   async_op=True)
 
     def then():
-        parts = staged.view(g.size, -1)
-        op_ = ReduceOp(op)
-        if op_ in (ReduceOp.SUM, ReduceOp.AVG):
-            torch.sum(parts, dim=0, out=recv.view(-1)) if parts.is_floating_point() else \
-                recv.view(-1).copy_(parts.sum(dim=0))
-            if op_ is ReduceOp.AVG:
-                recv.div_(g.size)
-        elif op_ is ReduceOp.PRODUCT:
-            recv.view(-1).copy_(parts.prod(dim=0))
-        elif op_ is ReduceOp.MIN:
-            recv.view(-1).copy_(parts.amin(dim=0))
-        elif op_ is ReduceOp.MAX:
-            recv.view(-1).copy_(parts.amax(dim=0))
-        else:
-            fn = {ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or,
-                  ReduceOp.BXOR: torch.bitwise_xor}[op_]
-            acc = parts[0].clone()
-            for p in parts[1:]:
-                acc = fn(acc, p)
-            recv.view(-1).copy_(acc)
+        if op is ReduceOp.AVG:
+            buf.div_(g.size)
+        if buf is not recv:
+            recv.copy_(buf)
 
-    if ReduceOp(op) is ReduceOp.AVG and not send.is_floating_point():
-        raise ValueError(f"ReduceOp.AVG needs a floating-point tensor, got {send.dtype}")
-    return finish([h], then, async_op)
+    return finish([h], then if op is ReduceOp.AVG or buf is not recv else None, async_op)
 
 
 def reduce_scatter_inplace(tensor, op=ReduceOp.SUM, *, group=None, async_op=False):
-    g = _group(group)
-    _check_tensor("tensor", tensor)
-    _check_divisible("tensor", tensor, g)
-    send_ = tensor.clone()
+    """Rank ``i``'s part ``i`` of ``tensor`` becomes the reduction of every rank's part."""
+    g = V.group(group)
+    V.tensor("tensor", tensor, g)
+    V.divisible("tensor", tensor, g)
     out = tensor.chunk(g.size)[g.rank]
-    return reduce_scatter(send_, out, op, group=g, async_op=async_op)
+    return reduce_scatter(tensor.clone(), out, op, group=g, async_op=async_op)
 
 
 def alltoall(send, recv, *, group=None, async_op=False):
-    g = _group(group)
-    _check_pair(send, recv)
-    _check_divisible("send", send, g)
+    """Part ``j`` of rank ``i``'s ``send`` becomes part ``i`` of rank ``j``'s ``recv``."""
+    g = V.group(group)
+    V.pair(send, recv, g)
+    V.divisible("send", send, g)
     traffic.record("alltoall", _nbytes(send) * (g.size - 1) / g.size)
+    if send.is_cuda:
+        return _nccl().alltoall(send, recv, g, async_op)
     h = dist.all_to_all_single(recv, send, group=g.torch_group, async_op=True)
     return finish([h], async_op=async_op)
 
 
 def alltoall_inplace(tensor, *, group=None, async_op=False):
-    return alltoall(tensor.clone(), tensor, group=group, async_op=async_op)
+    """:func:`alltoall` with ``tensor`` as both send and recv."""
+    g = V.group(group)
+    V.tensor("tensor", tensor, g)
+    V.divisible("tensor", tensor, g)
+    return alltoall(tensor.clone(), tensor, group=g, async_op=async_op)
 
 
 def alltoall_v(send, send_counts, send_displs, recv, recv_counts, recv_displs, *, group=None,
                async_op=False):
-    g = _group(group)
-    _check_tensor("send", send)
-    _check_tensor("recv", recv)
+    """Rank ``i`` sends ``send[send_displs[j]:][:send_counts[j]]`` to rank ``j``, which
+    receives it at ``recv[recv_displs[i]:][:recv_counts[i]]``."""
+    g = V.group(group)
+    V.tensor("send", send, g)
+    V.tensor("recv", recv, g)
     if send.dtype != recv.dtype:
         raise ValueError(f"send and recv must have the same dtype, got {send.dtype} and {recv.dtype}")
-    for name, seq, buf in (("send", (send_counts, send_displs), send),
-                           ("recv", (recv_counts, recv_displs), recv)):
-        counts, displs = (list(map(int, s)) for s in seq)
-        if len(counts) != g.size or len(displs) != g.size:
-            raise ValueError(f"{name}_counts and {name}_displs need one entry per rank ({g.size})")
-        for c, d in zip(counts, displs):
-            if c < 0 or d < 0 or d + c > buf.numel():
-                raise ValueError(f"{name}_counts/{name}_displs reach outside {name} "
-                                 f"(numel {buf.numel()}): count {c} at offset {d}")
-    send_counts, send_displs = list(map(int, send_counts)), list(map(int, send_displs))
-    recv_counts, recv_displs = list(map(int, recv_counts)), list(map(int, recv_displs))
+    if send.device != recv.device:
+        raise ValueError(f"send and recv must be on the same device, got {send.device} and "
+                         f"{recv.device}")
+    send_counts, send_displs = V.counts_displs("send", send_counts, send_displs, send, g)
+    recv_counts, recv_displs = V.counts_displs("recv", recv_counts, recv_displs, recv, g)
+    traffic.record("alltoall_v", (sum(send_counts) - send_counts[g.rank]) * send.element_size())
+    if send.is_cuda:
+        return _nccl().alltoall_v(send, send_counts, send_displs, recv, recv_counts,
+                                  recv_displs, g, async_op)
     packed_send = torch.cat([send[d:d + c] for c, d in zip(send_counts, send_displs)])
     packed_recv = torch.empty(sum(recv_counts), dtype=recv.dtype)
-    traffic.record("alltoall_v", (sum(send_counts) - send_counts[g.rank]) * send.element_size())
     h = dist.all_to_all_single(packed_recv, packed_send, recv_counts, send_counts,
                                group=g.torch_group, async_op=True)
 
@@ -291,17 +341,6 @@ def alltoall_v(send, send_counts, send_displs, recv, recv_counts, recv_displs, *
 
 
 def barrier(*, group=None, async_op=False):
-    g = _group(group)
+    """Returns once every rank of the group has called it."""
+    g = V.group(group)
     return finish([dist.barrier(group=g.torch_group, async_op=True)], async_op=async_op)
-
-
-def _check_divisible(name, tensor, g):
-    if tensor.numel() % g.size:
-        raise ValueError(f"{name}.numel() ({tensor.numel()}) must be divisible by the group "
-                         f"size ({g.size})")
-
-
-def _check_count(tensor, count, g):
-    if not isinstance(count, int) or count < 0 or count * g.size > tensor.numel():
-        raise ValueError(f"count must be an int with count * group size ({g.size}) <= "
-                         f"tensor.numel() ({tensor.numel()}), got {count!r}")

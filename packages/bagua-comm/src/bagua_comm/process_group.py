@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
@@ -22,9 +24,14 @@ _BACKENDS = ("auto", "gloo", "nccl")
 class ProcessGroup:
     """An ordered set of global ranks that communicate together."""
 
-    def __init__(self, ranks: list[int], torch_group, backend: str, local_world_size: int):
+    def __init__(self, ranks: list[int], torch_group, backend: str, local_world_size: int,
+                 aux_torch_group=None):
         self.ranks = list(ranks)
         self.torch_group = torch_group
+        # A second gloo group of the same ranks for multi-phase operations that run on the
+        # group's worker thread (compressed_allreduce), so they never interleave with the
+        # primitives the caller issues on ``torch_group`` meanwhile.
+        self.aux_torch_group = aux_torch_group if aux_torch_group is not None else torch_group
         self.backend = backend
         self._local_world_size = local_world_size
         self._global_rank = dist.get_rank()
@@ -32,6 +39,10 @@ class ProcessGroup:
         self._intra = None
         self._inter = None
         self._nccl_comm = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._nccl_stream = None
+        self._id = len(_state.groups)  # same on every rank: groups are created collectively
+        _state.groups.append(self)
 
     # -- membership -------------------------------------------------------------------------
     @property
@@ -84,6 +95,61 @@ class ProcessGroup:
     def num_nodes(self) -> int:
         return len(self._nodes())
 
+    # -- NCCL ---------------------------------------------------------------------------------
+    def cuda_device(self) -> int:
+        """The CUDA device of this rank's NCCL communicator (``nccl`` backend)."""
+        if _state.cuda_device is None:
+            raise RuntimeError("this process group uses the gloo backend: no CUDA device")
+        return _state.cuda_device
+
+    def nccl_comm(self):
+        """This group's NCCL communicator, created at first use (collective over the group:
+        its rank 0 makes a unique id and shares it through the store)."""
+        with self._lock:
+            if self._nccl_comm is None:
+                from . import _nccl_loader
+
+                nccl = _nccl_loader.load()
+                store = dist.distributed_c10d._get_default_store()
+                key = f"bagua_comm/nccl_uid/{_state.generation}/{self._id}"
+                if self.rank == 0:
+                    store.set(key, nccl.get_unique_id())
+                uid = store.get(key)
+                with torch.cuda.device(self.cuda_device()):
+                    self._nccl_comm = nccl.NcclCommunicator(self.size, bytes(uid), self.rank)
+            return self._nccl_comm
+
+    def nccl_stream(self):
+        """The CuPy stream this group's NCCL work runs on (created at first use)."""
+        with self._lock:
+            if self._nccl_stream is None:
+                import cupy
+
+                with cupy.cuda.Device(self.cuda_device()):
+                    self._nccl_stream = cupy.cuda.Stream(non_blocking=True)
+            return self._nccl_stream
+
+    def _destroy_nccl(self, abort: bool = False) -> None:
+        comm, self._nccl_comm = self._nccl_comm, None
+        if comm is not None:
+            comm.abort() if abort else comm.destroy()
+
+    # -- worker thread ----------------------------------------------------------------------
+    def _submit(self, fn, *args) -> Future:
+        """Run ``fn`` on this group's single worker thread (FIFO: the same order on every
+        rank, which keeps multi-phase collectives matched across ranks)."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"bagua-comm-{self.ranks[:4]}")
+            return self._executor.submit(fn, *args)
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
     def __repr__(self) -> str:
         return f"ProcessGroup(ranks={self.ranks}, backend={self.backend!r})"
 
@@ -94,6 +160,9 @@ class _State:
         self.backend: str | None = None
         self.local_world_size = 1
         self.owns_torch_pg = False
+        self.groups: list[ProcessGroup] = []
+        self.cuda_device: int | None = None
+        self.generation = getattr(self, "generation", 0)
 
 
 _state = _State()
@@ -101,7 +170,25 @@ _state = _State()
 
 def _new_subgroup(ranks, backend, local_world_size) -> ProcessGroup:
     tg = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=False)
-    return ProcessGroup(list(ranks), tg, backend, local_world_size)
+    aux = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=False)
+    return ProcessGroup(list(ranks), tg, backend, local_world_size, aux)
+
+
+def _nccl_unavailable() -> str | None:
+    """Why the nccl backend cannot work in this process, or None when it can."""
+    import importlib.util
+
+    from . import _nccl_loader
+
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    try:
+        _nccl_loader.load()
+    except RuntimeError as err:
+        return str(err)
+    if importlib.util.find_spec("cupy") is None:
+        return "CuPy is not installed"
+    return None
 
 
 def _resolve_backend(backend: str) -> str:
@@ -112,11 +199,19 @@ def _resolve_backend(backend: str) -> str:
         if override not in ("gloo", "nccl"):
             raise ValueError(f"BAGUA_COMM_BACKEND must be 'gloo' or 'nccl', got {override!r}")
         backend = override
-    if backend == "auto":
-        from . import _nccl_loader
+    if backend == "gloo":
+        return backend
+    reason = _nccl_unavailable()
+    if reason is None:
+        return "nccl"
+    # auto on a machine without CUDA is the normal CPU case: no warning.
+    if backend == "nccl" or torch.cuda.is_available():
+        from ._nccl_loader import INSTALL_HINT
 
-        backend = "nccl" if torch.cuda.is_available() and _nccl_loader.nccl_available() else "gloo"
-    return backend
+        warnings.warn(f"bagua_comm: the nccl backend cannot be used ({reason}); falling back "
+                      f"to gloo (CPU tensors). For GPUs install: {INSTALL_HINT}",
+                      RuntimeWarning, stacklevel=3)
+    return "gloo"
 
 
 def init_process_group(backend: str = "auto", *, store=None, rank=None, world_size=None,
@@ -152,10 +247,16 @@ def init_process_group(backend: str = "auto", *, store=None, rank=None, world_si
         dist.init_process_group("gloo", **kw)
         _state.owns_torch_pg = True
     world_size = dist.get_world_size()
+    if backend == "nccl":
+        local_rank = dist.get_rank() % local_world_size
+        _state.cuda_device = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(_state.cuda_device)
+    _state.generation += 1
     _state.backend = backend
     _state.local_world_size = local_world_size
+    aux = dist.new_group(ranks=list(range(world_size)), backend="gloo")
     _state.default = ProcessGroup(list(range(world_size)), dist.group.WORLD, backend,
-                                  local_world_size)
+                                  local_world_size, aux)
 
 
 def is_initialized() -> bool:
@@ -165,6 +266,9 @@ def is_initialized() -> bool:
 def destroy_process_group() -> None:
     if _state.default is None:
         return
+    for g in _state.groups:
+        g._shutdown()
+        g._destroy_nccl()
     if _state.owns_torch_pg and dist.is_initialized():
         dist.destroy_process_group()
     _state.__init__()

@@ -1,0 +1,190 @@
+"""bagua_comm against its peers, measured in the same run.
+
+1. Collectives, nccl-tests style: for allreduce, allgather, reduce_scatter and alltoall on 2
+   gloo ranks (spawned processes), size, time, algbw and busbw of bagua_comm's primitive and
+   of torch.distributed's own call on the same buffers, and the time ratio (ours / torch;
+   1.00 means no overhead).  Rounds alternate between the two; each figure is the median over
+   rounds of the mean time per call.  ``size`` is the larger buffer (nccl-tests' convention),
+   ``algbw = size / time``, ``busbw = algbw * 2(n-1)/n`` for allreduce and ``(n-1)/n`` for
+   the others.
+2. MinMaxUInt8 on one thread: compress and decompress throughput (GB/s of float32 data) of
+   the Cython kernels against the same computation written with torch ops (same bytes,
+   checked), and against a plain copy of the same bytes (``Tensor.copy_``, the memory limit).
+
+    python benchmarks/comm.py            # 4 KiB .. 64 MiB, 64 MiB compression input
+    python benchmarks/comm.py --quick    # well under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import bagua_comm as bc
+from bagua_comm.compression import HEADER_BYTES, MinMaxUInt8, record_bytes
+from bagua_comm.testing import run_ranks
+
+PRIMITIVES = ["allreduce", "allgather", "reduce_scatter", "alltoall"]
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_rscatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _calls(name, nbytes, world):
+    """(ours, torch) zero-argument callables on preallocated float32 buffers of ``nbytes``."""
+    n = nbytes // 4
+    if name == "allreduce":
+        t = torch.ones(n)
+        return (lambda: bc.allreduce_inplace(t)), (lambda: dist.all_reduce(t))
+    if name == "allgather":
+        send, recv = torch.ones(n // world), torch.empty(n)
+        return (lambda: bc.allgather(send, recv)), (lambda: _gather(recv, send))
+    if name == "reduce_scatter":
+        send, recv = torch.ones(n), torch.empty(n // world)
+        return (lambda: bc.reduce_scatter(send, recv)), (lambda: _rscatter(recv, send))
+    send, recv = torch.ones(n), torch.empty(n)
+    return (lambda: bc.alltoall(send, recv)), (lambda: dist.all_to_all_single(recv, send))
+
+
+def _time(fn, iters):
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters
+
+
+def _collectives(sizes, rounds, budget_bytes):
+    world = bc.get_world_size()
+    rows = []
+    for name in PRIMITIVES:
+        for nbytes in sizes:
+            ours, theirs = _calls(name, nbytes, world)
+            iters = max(2, min(200, budget_bytes // nbytes))
+            ours(), theirs()  # warm up (connections, allocations)
+            t_ours, t_theirs = [], []
+            for r in range(rounds):
+                pair = [(ours, t_ours), (theirs, t_theirs)]
+                for fn, acc in (pair if r % 2 == 0 else pair[::-1]):
+                    acc.append(_time(fn, iters))
+            rows.append((name, nbytes, statistics.median(t_ours), statistics.median(t_theirs)))
+    return rows
+
+
+def _fmt_size(n):
+    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+def print_collectives(rows, world):
+    print(f"\n# Collectives, {world} gloo ranks, float32; ours = bagua_comm, torch = "
+          "torch.distributed (gloo)")
+    print(f"{'primitive':<15}{'size':>9} | {'ours us':>10}{'algbw':>8}{'busbw':>8} | "
+          f"{'torch us':>10}{'algbw':>8}{'busbw':>8} | {'ours/torch':>10}")
+    for name, nbytes, t_o, t_t in rows:
+        factor = 2 * (world - 1) / world if name == "allreduce" else (world - 1) / world
+        alg_o, alg_t = nbytes / t_o / 1e9, nbytes / t_t / 1e9
+        print(f"{name:<15}{_fmt_size(nbytes):>9} | {t_o * 1e6:>10.1f}{alg_o:>8.3f}"
+              f"{alg_o * factor:>8.3f} | {t_t * 1e6:>10.1f}{alg_t:>8.3f}{alg_t * factor:>8.3f} | "
+              f"{t_o / t_t:>10.3f}")
+    big = [t_o / t_t for _, nbytes, t_o, t_t in rows if nbytes >= 1 << 20]
+    if big:
+        print(f"geometric mean ours/torch at >= 1 MiB: "
+              f"{statistics.geometric_mean(big):.3f} (target <= 1.05)")
+
+
+# -- compression ------------------------------------------------------------------------------
+_255 = torch.tensor(255.0)
+
+
+def torch_compress(x, chunks):
+    """The MinMaxUInt8 format written with torch ops (vectorised over chunks)."""
+    m = x.numel() // chunks
+    v = x.view(chunks, m)
+    mn = v.amin(1, keepdim=True) + 0.0
+    mx = v.amax(1, keepdim=True) + 0.0
+    scale = _255.div(mx - mn + 1e-7)  # not 255.0 / t: torch computes that as 255 * (1 / t)
+    upper = torch.round(mx * scale)
+    lower = upper - 255.0
+    q = torch.minimum(torch.round(v * scale), upper).sub_(lower).clamp_(0, 255).to(torch.uint8)
+    rec = record_bytes(m)
+    payload = torch.zeros(chunks, rec, dtype=torch.uint8)
+    payload[:, :8] = torch.cat([mn, mx], dim=1).view(torch.uint8)
+    payload[:, HEADER_BYTES:HEADER_BYTES + m] = q
+    return payload.view(-1)
+
+
+def torch_decompress(payload, out, chunks):
+    m = out.numel() // chunks
+    rows = payload.view(chunks, record_bytes(m))
+    mm = rows[:, :8].contiguous().view(torch.float32)
+    mn, mx = mm[:, :1], mm[:, 1:]
+    scale = _255.div(mx - mn + 1e-7)
+    lower = torch.round(mx * scale) - 255.0
+    out.view(chunks, m).copy_((rows[:, HEADER_BYTES:HEADER_BYTES + m].float() + lower) / scale)
+    return out
+
+
+def _best(fn, reps):
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def compression(nbytes, chunks, reps):
+    torch.set_num_threads(1)
+    x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(0))
+    c = MinMaxUInt8(chunks)
+    payload = c.compress(x)
+    same = torch.equal(payload, torch_compress(x, chunks))
+    buf = torch.empty_like(payload)
+    out, copy_dst = torch.empty_like(x), torch.empty_like(x)
+    copy_dst.copy_(x), out.zero_()  # touch every page first
+    t = {
+        "compress (ours)": _best(lambda: c.compress(x), reps),
+        "compress (ours, out=)": _best(lambda: c.compress(x, out=buf), reps),
+        "compress (torch ops)": _best(lambda: torch_compress(x, chunks), reps),
+        "decompress (ours)": _best(lambda: c.decompress(payload, out), reps),
+        "decompress (torch ops)": _best(lambda: torch_decompress(payload, out, chunks), reps),
+        "memcpy (Tensor.copy_)": _best(lambda: copy_dst.copy_(x), reps),
+    }
+    gbs = {k: nbytes / v / 1e9 for k, v in t.items()}
+    print(f"\n# MinMaxUInt8, one thread, {_fmt_size(nbytes)} of float32 in {chunks} chunks "
+          f"(identical bytes to the torch-ops version: {'yes' if same else 'NO'})")
+    for k, v in gbs.items():
+        print(f"{k:<26}{v:>8.2f} GB/s")
+    mc = gbs["memcpy (Tensor.copy_)"]
+    print(f"compress: ours / torch ops = {gbs['compress (ours)'] / gbs['compress (torch ops)']:.2f}x"
+          f" (target >= 3); ours / memcpy = {gbs['compress (ours)'] / mc:.0%} (target >= 30%)"
+          f"; with out=: {gbs['compress (ours, out=)'] / mc:.0%}")
+    print(f"decompress: ours / torch ops = "
+          f"{gbs['decompress (ours)'] / gbs['decompress (torch ops)']:.2f}x; "
+          f"ours / memcpy = {gbs['decompress (ours)'] / mc:.0%}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, few rounds (< 1 minute)")
+    p.add_argument("--world", type=int, default=2, help="gloo ranks (default 2)")
+    args = p.parse_args(argv)
+    if args.quick:
+        sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20]
+        rounds, budget, comp_bytes, reps = 5, 8 << 20, 16 << 20, 3
+    else:
+        sizes = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB .. 64 MiB
+        rounds, budget, comp_bytes, reps = 9, 64 << 20, 64 << 20, 7
+    rows = run_ranks(_collectives, args.world, args=(sizes, rounds, budget), timeout=1800)[0]
+    print_collectives(rows, args.world)
+    compression(comp_bytes, chunks=args.world * 4, reps=reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""The primitives on CUDA tensors: our NCCL binding, streams and events through CuPy.
+
+Arguments arrive validated (see primitives.py).  Each operation runs on its group's own CUDA
+stream: that stream first waits for the caller's current torch stream (so the inputs are
+ready), then NCCL (and any local post-processing) is enqueued on it, and an event marks the
+end.  Synchronous calls make the caller's stream wait for that event (no host
+synchronisation); ``async_op=True`` returns a work handle whose ``wait()`` does the same and
+whose ``is_completed()`` queries the event.  Tensors are recorded on the communication
+stream so torch's allocator keeps them alive until it is done.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops import ReduceOp
+from .work import finish
+
+NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
+               torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
+NCCL_OPS = {ReduceOp.SUM: 0, ReduceOp.PRODUCT: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3,
+            ReduceOp.AVG: 4}
+_BITWISE = {ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or,
+            ReduceOp.BXOR: torch.bitwise_xor}
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def nccl_dtype(t: torch.Tensor) -> int:
+    try:
+        return NCCL_DTYPES[t.dtype]
+    except KeyError:
+        raise ValueError(f"the nccl backend does not support {t.dtype}; use one of "
+                         f"{sorted(str(d) for d in NCCL_DTYPES)}") from None
+
+
+class _CudaEvent:
+    """A backend handle over a CuPy event recorded on the communication stream."""
+
+    def __init__(self, event):
+        self._event = event
+
+    def wait(self):
+        cp = _cupy()
+        cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream).wait_event(self._event)
+
+    def is_completed(self):
+        return self._event.done
+
+
+class _Launch:
+    """One operation on the group's stream: ``with _Launch(g) as L: L.comm.<call>(...)``."""
+
+    def __init__(self, g, *tensors):
+        self.g = g
+        self.comm = g.nccl_comm()
+        self.stream = g.nccl_stream()
+        self.tensors = [t for t in tensors if t is not None]
+        self._torch_stream = torch.cuda.ExternalStream(self.stream.ptr)
+        self._ctx = None
+
+    @property
+    def ptr(self) -> int:
+        return self.stream.ptr
+
+    def __enter__(self):
+        cp = _cupy()
+        ready = cp.cuda.Event(disable_timing=True)
+        ready.record(cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream))
+        self.stream.wait_event(ready)
+        # Local torch/CuPy work inside the block also goes to the communication stream.
+        self._ctx = (torch.cuda.stream(self._torch_stream), self.stream)
+        for c in self._ctx:
+            c.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for c in reversed(self._ctx):
+            c.__exit__(*exc)
+        return False
+
+    def keep(self, *tensors):
+        self.tensors += [t for t in tensors if t is not None]
+
+    def done(self, async_op):
+        for t in self.tensors:
+            t.record_stream(self._torch_stream)
+        event = _cupy().cuda.Event(disable_timing=True)
+        event.record(self.stream)
+        return finish([_CudaEvent(event)], async_op=async_op)
+
+
+def _grouped(comm, fn):
+    from ._nccl_loader import load
+
+    nccl = load()
+    nccl.group_start()
+    try:
+        fn()
+    finally:
+        nccl.group_end()
+
+
+# -- point to point ------------------------------------------------------------------------
+def send(tensor, dst, g, async_op):
+    with _Launch(g, tensor) as L:
+        L.comm.send(tensor.data_ptr(), tensor.numel(), nccl_dtype(tensor), dst, L.ptr)
+    return L.done(async_op)
+
+
+def recv(tensor, src, g, async_op):
+    with _Launch(g, tensor) as L:
+        L.comm.recv(tensor.data_ptr(), tensor.numel(), nccl_dtype(tensor), src, L.ptr)
+    return L.done(async_op)
+
+
+# -- collectives ---------------------------------------------------------------------------
+def broadcast(tensor, src, g, async_op):
+    with _Launch(g, tensor) as L:
+        L.comm.broadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
+                         nccl_dtype(tensor), src, L.ptr)
+    return L.done(async_op)
+
+
+def reduce(send_, recv_, dst, op, g, async_op):
+    with _Launch(g, send_, recv_) as L:
+        if op in _BITWISE:
+            gathered = _gather_all(L, send_, g)
+            if g.rank == dst:
+                recv_.copy_(_fold(gathered, op))
+        else:
+            L.comm.reduce(send_.data_ptr(), recv_.data_ptr(), send_.numel(), nccl_dtype(send_),
+                          NCCL_OPS[op], dst, L.ptr)
+    return L.done(async_op)
+
+
+def allreduce(send_, recv_, op, g, async_op):
+    with _Launch(g, send_, recv_) as L:
+        if op in _BITWISE:
+            recv_.copy_(_fold(_gather_all(L, send_, g), op))
+        else:
+            L.comm.allreduce(send_.data_ptr(), recv_.data_ptr(), send_.numel(),
+                             nccl_dtype(send_), NCCL_OPS[op], L.ptr)
+    return L.done(async_op)
+
+
+def _gather_all(L, t, g):
+    """NCCL has no bitwise reductions: gather every rank's tensor, fold locally."""
+    out = torch.empty((g.size, t.numel()), dtype=t.dtype, device=t.device)
+    L.comm.allgather(t.data_ptr(), out.data_ptr(), t.numel(), nccl_dtype(t), L.ptr)
+    L.keep(out)
+    return out
+
+
+def _fold(rows, op):
+    acc = rows[0].clone()
+    for row in rows[1:]:
+        acc = _BITWISE[op](acc, row)
+    return acc
+
+
+def allgather(send_, recv_, g, async_op):
+    with _Launch(g, send_, recv_) as L:
+        L.comm.allgather(send_.data_ptr(), recv_.data_ptr(), send_.numel(), nccl_dtype(send_),
+                         L.ptr)
+    return L.done(async_op)
+
+
+def reduce_scatter(send_, recv_, op, g, async_op):
+    with _Launch(g, send_, recv_) as L:
+        if op in _BITWISE:
+            rows = _gather_all(L, send_, g).view(g.size, g.size, -1)[:, g.rank]
+            recv_.view(-1).copy_(_fold(rows, op))
+        else:
+            L.comm.reduce_scatter(send_.data_ptr(), recv_.data_ptr(), recv_.numel(),
+                                  nccl_dtype(send_), NCCL_OPS[op], L.ptr)
+    return L.done(async_op)
+
+
+def _p2p(L, sends, recvs):
+    """Grouped send/recv: ``sends``/``recvs`` are (peer, tensor) pairs."""
+    def run():
+        for peer, t in sends:
+            if t.numel():
+                L.comm.send(t.data_ptr(), t.numel(), nccl_dtype(t), peer, L.ptr)
+        for peer, t in recvs:
+            if t.numel():
+                L.comm.recv(t.data_ptr(), t.numel(), nccl_dtype(t), peer, L.ptr)
+
+    _grouped(L.comm, run)
+
+
+def gather(send_, recv_, dst, g, async_op):
+    with _Launch(g, send_, recv_) as L:
+        if g.rank == dst:
+            parts = recv_.view(-1).chunk(g.size)
+            parts[dst].copy_(send_.view(-1))
+            _p2p(L, [], [(r, parts[r]) for r in range(g.size) if r != dst])
+        else:
+            _p2p(L, [(dst, send_)], [])
+    return L.done(async_op)
+
+
+def scatter(send_, recv_, src, g, async_op):
+    with _Launch(g, send_, recv_) as L:
+        if g.rank == src:
+            parts = send_.view(-1).chunk(g.size)
+            recv_.view(-1).copy_(parts[src])
+            _p2p(L, [(r, parts[r]) for r in range(g.size) if r != src], [])
+        else:
+            _p2p(L, [], [(src, recv_)])
+    return L.done(async_op)
+
+
+def alltoall(send_, recv_, g, async_op):
+    with _Launch(g, send_, recv_) as L:
+        s, r = send_.view(-1).chunk(g.size), recv_.view(-1).chunk(g.size)
+        _p2p(L, [(p, s[p]) for p in range(g.size)], [(p, r[p]) for p in range(g.size)])
+    return L.done(async_op)
+
+
+def alltoall_v(send_, send_counts, send_displs, recv_, recv_counts, recv_displs, g, async_op):
+    with _Launch(g, send_, recv_) as L:
+        s, r = send_.view(-1), recv_.view(-1)
+        _p2p(L, [(p, s[d:d + c]) for p, (c, d) in enumerate(zip(send_counts, send_displs))],
+             [(p, r[d:d + c]) for p, (c, d) in enumerate(zip(recv_counts, recv_displs))])
+    return L.done(async_op)
+
+
+# -- compressed allreduce ------------------------------------------------------------------
+def compressed_allreduce(send_, recv_, op, compressor, k, seg, key, g, async_op):
+    """The same scatter-reduce-gather as on gloo, all on the group's stream (CuPy kernels)."""
+    n = g.size
+    chunks = n * k
+    padded = seg * n
+    numel = send_.numel()
+    with _Launch(g, send_, recv_) as L:
+        x = send_.detach().view(-1)
+        if padded != numel:
+            x = torch.cat([x, x.new_zeros(padded - numel)])
+        payload = compressor.compress(x, chunks=chunks, key=f"{key}/scatter")
+        received = torch.empty_like(payload)
+        p, q = payload.chunk(n), received.chunk(n)
+        _p2p(L, [(j, p[j]) for j in range(n)], [(j, q[j]) for j in range(n)])
+        parts = torch.empty(padded, dtype=torch.float32, device=x.device)
+        compressor.decompress(received, parts, chunks=chunks, dtype=send_.dtype)
+        parts = parts.view(n, seg)
+        if op is ReduceOp.MIN:
+            mine = parts.amin(0)
+        elif op is ReduceOp.MAX:
+            mine = parts.amax(0)
+        else:
+            mine = parts.sum(0)
+            if op is ReduceOp.AVG:
+                mine.div_(n)
+        own = compressor.compress(mine.to(send_.dtype), chunks=k, key=f"{key}/gather")
+        gathered = torch.empty(n * own.numel(), dtype=torch.uint8, device=x.device)
+        L.comm.allgather(own.data_ptr(), gathered.data_ptr(), own.numel(), NCCL_DTYPES[torch.uint8],
+                         L.ptr)
+        out = recv_.detach().view(-1)
+        if padded != numel:
+            full = torch.empty(padded, dtype=recv_.dtype, device=x.device)
+            compressor.decompress(gathered, full, chunks=chunks)
+            out.copy_(full[:numel])
+        else:
+            compressor.decompress(gathered, out, chunks=chunks)
+        L.keep(x, payload, received, parts, own, gathered)
+    return L.done(async_op)

@@ -1,0 +1,295 @@
+"""Compressors: the MinMaxUInt8 format of ByteGrad (byte-compatible with Bagua).
+
+A compressor turns a flat float tensor into a ``uint8`` payload and back::
+
+    c = MinMaxUInt8(chunks=4)
+    payload = c.compress(x)                 # uint8 tensor, c.payload_numel(x.numel()) bytes
+    c.decompress(payload, out)              # out: same dtype and numel as x
+    payload, ctx = c.pack(x)                # compress with a context ...
+    y = c.unpack(payload, ctx)              # ... that knows dtype, shape and device
+
+Format (DESIGN.md section 4).  The tensor is split into ``chunks`` equal chunks.  Per chunk,
+with ``eps = 1e-7`` and every operation in float32::
+
+    scale = 255 / (max - min + eps)
+    upper = rint(max * scale);  lower = upper - 255
+    q     = uint8(min(rint(x * scale), upper) - lower)      # saturating; rint: half to even
+    x'    = (q + lower) / scale                              # decoding
+
+Each chunk is one record: ``[min, max]`` in the tensor's own dtype, zero-padded to 32 bytes,
+then the chunk's codes, zero-padded so the record is a multiple of 32 bytes.  ``-0`` is
+written as ``+0``.  NaN or infinite inputs give unspecified codes.
+
+Error feedback (``error_feedback=True``) keeps, per ``key``, the residual ``x - x'`` of the
+last compression and adds it to the next input before compressing it (EF-SGD), so that the
+quantisation error is not lost but delayed.  The residuals are the compressor's state:
+:meth:`~Compressor.state_dict` / :meth:`~Compressor.load_state_dict` checkpoint them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+HEADER_BYTES = 32
+RECORD_ALIGN = 32
+
+_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_f16_lut: np.ndarray | None = None
+_NO_LUT = np.empty(0, dtype=np.float32)
+
+
+class Context(NamedTuple):
+    """What :meth:`Compressor.unpack` needs to rebuild the tensor."""
+
+    dtype: torch.dtype
+    shape: torch.Size
+    device: torch.device
+
+
+class Compressor:
+    """Base class: ``compress(tensor) -> payload`` and ``decompress(payload, out)``.
+
+    Subclasses implement :meth:`compress`, :meth:`decompress` and :meth:`payload_numel`;
+    :meth:`pack`/:meth:`unpack` add the context (dtype, shape, device) so the receiver of a
+    payload needs nothing else.  Stateful compressors override the state-dict pair.
+    """
+
+    def compress(self, tensor: torch.Tensor, **kwargs) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decompress(self, payload: torch.Tensor, out: torch.Tensor, **kwargs) -> torch.Tensor:
+        raise NotImplementedError
+
+    def payload_numel(self, numel: int, **kwargs) -> int:
+        raise NotImplementedError
+
+    def pack(self, tensor: torch.Tensor, **kwargs) -> tuple[torch.Tensor, Context]:
+        return self.compress(tensor, **kwargs), Context(tensor.dtype, tensor.shape,
+                                                        tensor.device)
+
+    def unpack(self, payload: torch.Tensor, ctx: Context, **kwargs) -> torch.Tensor:
+        out = torch.empty(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+        return self.decompress(payload, out, **kwargs)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} has no state, got keys {sorted(state)}")
+
+
+def record_bytes(chunk_numel: int) -> int:
+    """Bytes of one MinMaxUInt8 record holding ``chunk_numel`` codes."""
+    return HEADER_BYTES + -(-chunk_numel // RECORD_ALIGN) * RECORD_ALIGN
+
+
+class MinMaxUInt8(Compressor):
+    """8-bit min-max quantisation in ``chunks`` chunks (Bagua's ByteGrad format).
+
+    Args:
+        chunks: number of equal chunks the flat input is split into (each gets its own
+            min/max); the input's numel must be a multiple of it.
+        error_feedback: keep the quantisation residual per ``key`` and add it to the next
+            input compressed under that key.
+    """
+
+    def __init__(self, chunks: int = 1, *, error_feedback: bool = False):
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+        self.chunks = chunks
+        self.error_feedback = bool(error_feedback)
+        self._residuals: dict[str, torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"MinMaxUInt8(chunks={self.chunks}, error_feedback={self.error_feedback})"
+
+    # -- sizes --------------------------------------------------------------------------------
+    def payload_numel(self, numel: int, *, chunks: int | None = None) -> int:
+        """Payload bytes for a tensor of ``numel`` elements."""
+        chunks = self._chunks(chunks)
+        _check_divisible(numel, chunks)
+        return chunks * record_bytes(numel // chunks)
+
+    # -- compress / decompress ----------------------------------------------------------------
+    def compress(self, tensor: torch.Tensor, *, chunks: int | None = None,
+                 key: str = "default", out: torch.Tensor | None = None) -> torch.Tensor:
+        """The payload of ``tensor`` (float32/float16/bfloat16, contiguous, CPU or CUDA).
+
+        ``out`` (optional) is a uint8 tensor of :meth:`payload_numel` bytes to write into
+        instead of a new one.  With error feedback, the residual stored under ``key`` is
+        added first and the new residual is stored in its place.
+        """
+        chunks = self._chunks(chunks)
+        _check_float("tensor", tensor)
+        _check_divisible(tensor.numel(), chunks, "tensor")
+        flat = tensor.detach().reshape(-1)
+        if out is not None:
+            expected = chunks * record_bytes(flat.numel() // chunks)
+            if (not isinstance(out, torch.Tensor) or out.dtype != torch.uint8
+                    or out.numel() != expected or not out.is_contiguous()
+                    or out.device != flat.device):
+                raise ValueError(f"out must be a contiguous uint8 tensor of {expected} bytes "
+                                 f"on {flat.device}")
+        if not self.error_feedback:
+            return _compress(flat, chunks, out)
+        corrected = flat.to(torch.float32, copy=True)  # never modify the caller's tensor
+        res = self._residuals.get(key)
+        if res is not None:
+            if res.shape != corrected.shape or res.device != corrected.device:
+                raise ValueError(f"error-feedback residual for key {key!r} has "
+                                 f"{res.numel()} elements on {res.device}; this tensor has "
+                                 f"{corrected.numel()} on {corrected.device}: use one key "
+                                 "per tensor (or reset_residuals())")
+            corrected = corrected.add_(res)
+        payload = _compress(corrected.to(tensor.dtype), chunks, out)
+        decoded = torch.empty_like(corrected)
+        _decompress(payload, decoded, chunks, tensor.dtype)
+        self._residuals[key] = corrected.sub_(decoded)
+        return payload
+
+    def decompress(self, payload: torch.Tensor, out: torch.Tensor, *,
+                   chunks: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Decode ``payload`` into ``out`` (returned).
+
+        ``dtype`` is the type the headers were written in (default ``out.dtype``); decoding
+        float16/bfloat16 payloads straight into a float32 ``out`` avoids a rounding step.
+        """
+        chunks = self._chunks(chunks)
+        _check_float("out", out)
+        dtype = out.dtype if dtype is None else dtype
+        if dtype not in _KINDS:
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        _check_divisible(out.numel(), chunks, "out")
+        if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
+            raise ValueError("payload must be a uint8 torch.Tensor (from compress())")
+        if not payload.is_contiguous():
+            raise ValueError("payload must be contiguous")
+        expected = chunks * record_bytes(out.numel() // chunks)
+        if payload.numel() != expected:
+            raise ValueError(f"payload has {payload.numel()} bytes, but {out.numel()} elements "
+                             f"in {chunks} chunks need {expected}")
+        if payload.device != out.device:
+            raise ValueError(f"payload is on {payload.device} but out is on {out.device}")
+        _decompress(payload.reshape(-1), out.detach().view(-1), chunks, dtype)
+        return out
+
+    # -- error-feedback state -----------------------------------------------------------------
+    def residual(self, key: str = "default") -> torch.Tensor | None:
+        """The float32 residual stored under ``key`` (None before the first compression)."""
+        return self._residuals.get(key)
+
+    def reset_residuals(self) -> None:
+        self._residuals.clear()
+
+    def state_dict(self) -> dict:
+        return {"chunks": self.chunks, "error_feedback": self.error_feedback,
+                "residuals": {k: v.clone() for k, v in self._residuals.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("chunks", self.chunks) != self.chunks:
+            raise ValueError(f"state was saved with chunks={state['chunks']}, this compressor "
+                             f"has chunks={self.chunks}")
+        residuals = state.get("residuals", {})
+        if residuals and not self.error_feedback:
+            raise ValueError("state holds error-feedback residuals but this compressor was "
+                             "made with error_feedback=False")
+        self._residuals = {str(k): v.detach().float().clone() for k, v in residuals.items()}
+
+    def _chunks(self, chunks):
+        if chunks is None:
+            return self.chunks
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+        return chunks
+
+
+# -- kernels ----------------------------------------------------------------------------------
+def _check_float(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _KINDS:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16 for MinMaxUInt8, "
+                         f"got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+
+
+def _check_divisible(numel, chunks, name="tensor"):
+    if numel == 0 or numel % chunks:
+        raise ValueError(f"{name}.numel() ({numel}) must be a positive multiple of chunks "
+                         f"({chunks}); pad it first")
+
+
+def _lut(dtype):
+    global _f16_lut
+    if dtype is not torch.float16:
+        return _NO_LUT
+    if _f16_lut is None:
+        _f16_lut = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16) \
+            .astype(np.float32)
+    return _f16_lut
+
+
+def _as_numpy(flat):
+    if flat.dtype is torch.float32:
+        return flat.numpy()
+    return flat.view(torch.int16).numpy().view(np.uint16)
+
+
+def _gpu():
+    try:
+        import cupy  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError("MinMaxUInt8 on CUDA tensors needs CuPy: "
+                           "pip install 'bagua-comm[cu12]'  (or: pip install cupy-cuda12x)"
+                           ) from err
+    from . import _minmax_cupy
+
+    return _minmax_cupy
+
+
+def _compress(flat, chunks, payload=None):
+    if flat.is_cuda:
+        return _gpu().compress(flat, chunks, payload)
+    from . import _minmax
+
+    m = flat.numel() // chunks
+    rec = record_bytes(m)
+    isz = flat.element_size()
+    if payload is None:
+        payload = torch.empty(chunks * rec, dtype=torch.uint8)
+    payload = payload.view(-1)
+    rows = payload.view(chunks, rec)
+    mins = np.empty(chunks, dtype=np.float32)
+    maxs = np.empty(chunks, dtype=np.float32)
+    src = _as_numpy(flat)
+    kind, lut = _KINDS[flat.dtype], _lut(flat.dtype)
+    _minmax.minmax(src, kind, lut, chunks, mins, maxs)
+    _minmax.encode(src, kind, lut, chunks, mins, maxs, payload.numpy(), rec, HEADER_BYTES)
+    header = torch.from_numpy(np.stack([mins, maxs], axis=1)).to(flat.dtype)
+    rows[:, :2 * isz] = header.view(torch.uint8)
+    rows[:, 2 * isz:HEADER_BYTES] = 0
+    rows[:, HEADER_BYTES + m:] = 0
+    return payload
+
+
+def _decompress(payload, out, chunks, dtype):
+    if out.is_cuda:
+        _gpu().decompress(payload, out, chunks, dtype)
+        return
+    from . import _minmax
+
+    m = out.numel() // chunks
+    rec = record_bytes(m)
+    isz = torch.empty(0, dtype=dtype).element_size()
+    header = payload.view(chunks, rec)[:, :2 * isz].contiguous().view(dtype).float()
+    mins = header[:, 0].contiguous().numpy()
+    maxs = header[:, 1].contiguous().numpy()
+    target = out if out.dtype is torch.float32 else torch.empty(out.numel(), dtype=torch.float32)
+    _minmax.decode(payload.numpy(), rec, HEADER_BYTES, chunks, mins, maxs, target.numpy())
+    if target is not out:
+        out.copy_(target)

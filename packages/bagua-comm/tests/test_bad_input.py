@@ -1,0 +1,100 @@
+"""Bad input fails on the calling rank, before communicating, naming the argument; the group
+stays usable afterwards."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import bagua_comm as bc
+from bagua_comm.testing import run_ranks
+
+Op = bc.ReduceOp
+
+
+def _cases():
+    f, i = torch.ones(4), torch.ones(4, dtype=torch.int32)
+    meta = torch.ones(4, device="meta")
+    strided = torch.ones(4, 2).t()
+    return [
+        # (call, substring of the message)
+        (lambda: bc.allreduce(f, torch.ones(5)), "recv.numel() (5) must be the same numel"),
+        (lambda: bc.allreduce(f, torch.ones(4, dtype=torch.float64)), "same dtype"),
+        (lambda: bc.allreduce_inplace(strided), "tensor must be contiguous"),
+        (lambda: bc.allreduce_inplace(meta), "tensor is on meta"),
+        (lambda: bc.allreduce_inplace([1.0]), "tensor must be a torch.Tensor"),
+        (lambda: bc.allreduce_inplace(i, op=Op.AVG), "AVG needs a floating-point"),
+        (lambda: bc.allreduce_inplace(f, op=Op.BXOR), "BXOR needs an integer"),
+        (lambda: bc.allreduce_inplace(f, op=42), "op must be a bagua_comm.ReduceOp"),
+        (lambda: bc.allgather(f, torch.ones(4)), "2 x send.numel()"),
+        (lambda: bc.reduce_scatter(f, torch.ones(4)), "send.numel() / 2"),
+        (lambda: bc.reduce_scatter_inplace(torch.ones(3)), "divisible by the group size"),
+        (lambda: bc.alltoall(torch.ones(3), torch.ones(3)), "send.numel() (3) must be divisible"),
+        (lambda: bc.broadcast(f, src=2), "src must be a rank in [0, 2)"),
+        (lambda: bc.broadcast(f, src=-1), "src must be a rank in [0, 2)"),
+        (lambda: bc.broadcast(f, src="0"), "src must be an int rank"),
+        (lambda: bc.reduce(f, torch.ones(4), dst=5), "dst must be a rank in [0, 2)"),
+        (lambda: bc.send(f, bc.get_rank()), "dst must be another rank"),
+        (lambda: bc.recv(f, 7), "src must be a rank"),
+        (lambda: bc.gather_inplace(f, 3, dst=0), "count must be an int >= 0"),
+        (lambda: bc.scatter_inplace(f, -1, src=0), "count must be an int >= 0"),
+        (lambda: bc.gather(f, torch.ones(4), dst=bc.get_rank()), "2 x send.numel()"),
+        (lambda: bc.alltoall_v(f, [1], [0], f, [1, 1], [0, 1]), "one entry per rank (2)"),
+        (lambda: bc.alltoall_v(f, [2, 3], [0, 2], f, [1, 1], [0, 1]), "reach outside send"),
+        (lambda: bc.allreduce_inplace(f, group="world"), "group must be a bagua_comm.ProcessGroup"),
+        (lambda: bc.allreduce_inplace(f, group=_OTHERS[0]), "not a member of group"),
+    ]
+
+
+_OTHERS = []
+
+
+def _bad_calls():
+    # A group this rank is not in (collective creation: both ranks create both groups).
+    groups = [bc.new_group([0]), bc.new_group([1])]
+    _OTHERS[:] = [groups[1 - bc.get_rank()]]
+    results = []
+    for call, needle in _cases():
+        try:
+            call()
+        except (ValueError, RuntimeError) as err:
+            results.append((needle, str(err)))
+        else:
+            results.append((needle, "<no error>"))
+    # Nothing was sent: the group still works, on every primitive family.
+    x = torch.tensor([1.0, 2.0]) * (bc.get_rank() + 1)
+    bc.allreduce_inplace(x)
+    y = torch.empty(4)
+    bc.allgather(x, y)
+    return results, x.tolist(), y.tolist()
+
+
+def test_bad_input_names_the_argument_and_leaves_the_group_usable():
+    for results, x, y in run_ranks(_bad_calls, 2):
+        for needle, msg in results:
+            assert needle in msg, f"expected {needle!r} in {msg!r}"
+        assert x == [3.0, 6.0] and y == [3.0, 6.0, 3.0, 6.0]
+
+
+def test_use_before_init_is_a_runtime_error():
+    assert not bc.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        bc.allreduce_inplace(torch.ones(2))
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        bc.get_rank()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        bc.compressed_allreduce(torch.ones(2), torch.ones(2))
+
+
+def test_init_arguments_are_checked():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        bc.init_process_group("mpi")
+    code = ("import torch.distributed as dist, bagua_comm as bc, tempfile, os\n"
+            "s = dist.FileStore(os.path.join(tempfile.mkdtemp(), 's'), 1)\n"
+            "for kw, needle in [(dict(rank=1, world_size=1), 'rank must be in'),\n"
+            "                   (dict(rank=0, world_size=4, local_world_size=3), 'divide')]:\n"
+            "    try:\n        bc.init_process_group('gloo', store=s, **kw)\n"
+            "    except ValueError as e:\n        assert needle in str(e), e\n"
+            "    else:\n        raise SystemExit('no error')\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

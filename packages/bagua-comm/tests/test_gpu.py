@@ -1,0 +1,101 @@
+"""CUDA: the NCCL backend on a one-rank communicator, and the CuPy MinMaxUInt8 kernels.
+
+Marked ``gpu``: skipped without CUDA, failing instead when BAGUA_TEST_GPU=1 (``nox -s gpu``).
+"""
+
+import pytest
+import torch
+
+import bagua_comm as bc
+from bagua_comm.compression import MinMaxUInt8
+from bagua_comm.testing import run_ranks
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32,
+          torch.int64, torch.uint8]
+
+
+def _one_rank_every_primitive():
+    assert bc.get_backend() == "nccl", bc.get_backend()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    bad = []
+
+    def same(name, got, ref):
+        torch.cuda.synchronize()
+        if not torch.equal(got.cpu(), ref.cpu()):
+            bad.append(name)
+
+    for dtype in DTYPES:
+        x = (torch.arange(12, device=dev) % 7 + 1).to(dtype)
+        ops = [bc.ReduceOp.SUM, bc.ReduceOp.PRODUCT, bc.ReduceOp.MIN, bc.ReduceOp.MAX]
+        ops += [bc.ReduceOp.AVG] if dtype.is_floating_point else [bc.ReduceOp.BAND,
+                                                                   bc.ReduceOp.BXOR]
+        for op in ops:
+            y = torch.empty_like(x)
+            bc.allreduce(x, y, op=op)
+            same(f"allreduce {dtype} {op.name}", y, x)
+            z = x.clone()
+            bc.allreduce_inplace(z, op=op, async_op=True).wait()
+            same(f"allreduce_inplace {dtype} {op.name}", z, x)
+            y = torch.empty_like(x)
+            bc.reduce(x, y, dst=0, op=op)
+            same(f"reduce {dtype} {op.name}", y, x)
+            y = torch.empty_like(x)
+            bc.reduce_scatter(x, y, op=op)
+            same(f"reduce_scatter {dtype} {op.name}", y, x)
+        z = x.clone()
+        bc.broadcast(z, src=0)
+        same(f"broadcast {dtype}", z, x)
+        y = torch.empty_like(x)
+        bc.allgather(x, y)
+        same(f"allgather {dtype}", y, x)
+        y = torch.empty_like(x)
+        bc.gather(x, y, dst=0)
+        same(f"gather {dtype}", y, x)
+        y = torch.empty_like(x)
+        bc.scatter(x, y, src=0)
+        same(f"scatter {dtype}", y, x)
+        y = torch.empty_like(x)
+        bc.alltoall(x, y)
+        same(f"alltoall {dtype}", y, x)
+        y = torch.zeros_like(x)
+        bc.alltoall_v(x, [5], [2], y, [5], [0])
+        same(f"alltoall_v {dtype}", y[:5], x[2:7])
+    x = torch.randn(1000, device=dev)
+    y = torch.empty_like(x)
+    bc.compressed_allreduce(x, y)
+    c = MinMaxUInt8(1)
+    once = c.decompress(c.compress(x), torch.empty_like(x))  # scatter phase (1 rank: itself)
+    same("compressed_allreduce", y, c.decompress(c.compress(once), torch.empty_like(x)))
+    work = bc.allreduce_inplace(x, async_op=True)
+    work.wait()
+    torch.cuda.synchronize()
+    if not work.is_completed():
+        bad.append("is_completed")
+    bc.barrier()
+    return bad
+
+
+def test_one_rank_nccl_communicator_runs_every_primitive():
+    assert run_ranks(_one_rank_every_primitive, 1, backend="nccl", timeout=300) == [[]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=lambda d: str(d)[6:])
+def test_cupy_kernels_are_byte_identical_to_cython(dtype):
+    g = torch.Generator().manual_seed(5)
+    cases = [(torch.randn(1 << 16, generator=g) * 5, 16), (torch.randn(999, generator=g), 3),
+             (torch.arange(-300, 300) / 2, 4), (torch.tensor([0.0, -0.0, 2.0, 2.0]), 2),
+             (torch.randn(1 << 20, generator=g) + 100, 7 * 8)]
+    for x, chunks in cases:
+        n = x.numel() // chunks * chunks
+        x = x[:n].to(dtype)
+        c = MinMaxUInt8(chunks)
+        cpu = c.compress(x)
+        gpu = c.compress(x.cuda())
+        assert torch.equal(gpu.cpu(), cpu), (dtype, n, chunks)
+        out_cpu = c.decompress(cpu, torch.empty_like(x))
+        out_gpu = c.decompress(cpu.cuda(), torch.empty_like(x, device="cuda"))
+        assert torch.equal(out_gpu.cpu(), out_cpu)
+        wide = c.decompress(cpu.cuda(), torch.empty(n, device="cuda"), dtype=dtype)
+        assert torch.equal(wide.cpu(), c.decompress(cpu, torch.empty(n), dtype=dtype))
