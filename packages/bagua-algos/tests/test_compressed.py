@@ -4,7 +4,6 @@ agreement with uncompressed references where the algorithm is exact."""
 import pytest
 import torch
 from _common import batch, eval_loss, global_batch, loss_fn, make_model, params
-from test_decentralized import has_compression
 
 import bagua_comm as bc
 from bagua_algos import ByteGrad, QAdam, QAdamOptimizer, with_bagua
@@ -66,17 +65,12 @@ def _qadam():
 
 
 def _all():
-    if not has_compression():
-        return None
     return {"bytegrad": _bytegrad(False), "bytegrad_ef": _bytegrad(True), "qadam": _qadam()}
 
 
 @pytest.fixture(scope="module")
 def results():
-    res = run_ranks(_all, 2, timeout=180)
-    if res[0] is None:
-        pytest.skip("bagua_comm.compression is not available yet")
-    return res
+    return run_ranks(_all, 2, timeout=180)
 
 
 @pytest.mark.parametrize("case", ["bytegrad", "bytegrad_ef"])

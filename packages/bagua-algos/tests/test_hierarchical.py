@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from test_decentralized import _run, has_compression, reference_dpsgd
+from test_decentralized import _run, reference_dpsgd
 from test_gradient_allreduce import check_equals_full_batch, train_allreduce
 
 import bagua_comm as bc
@@ -17,9 +17,8 @@ def _four_ranks():
             ("shift_one_flat", Decentralized(hierarchical=False, peer_selection_mode="shift_one"),
              "shift_one")):
         out[name] = (_run(algo), reference_dpsgd(mode, 1))
-    if has_compression():
-        out["bytegrad"] = train_allreduce(ByteGrad(hierarchical=True))
-        out["low_precision"] = _run(LowPrecisionDecentralized(hierarchical=True))
+    out["bytegrad"] = train_allreduce(ByteGrad(hierarchical=True))
+    out["low_precision"] = _run(LowPrecisionDecentralized(hierarchical=True))
     # hierarchical shift_one pairs node leaders: 2 nodes -> always the other node
     out["node"] = bc.get_node_rank()
     return out
@@ -43,8 +42,6 @@ def test_decentralized_matches_reference_on_four_ranks(four_ranks, case):
 
 
 def test_hierarchical_bytegrad_keeps_ranks_identical_and_trains(four_ranks):
-    if "bytegrad" not in four_ranks[0]:
-        pytest.skip("bagua_comm.compression is not available yet")
     first = four_ranks[0]["bytegrad"]
     for r in four_ranks:
         assert all(torch.equal(a, b) for a, b in zip(r["bytegrad"][0], first[0]))
@@ -52,8 +49,6 @@ def test_hierarchical_bytegrad_keeps_ranks_identical_and_trains(four_ranks):
 
 
 def test_hierarchical_low_precision_keeps_nodes_identical_and_trains(four_ranks):
-    if "low_precision" not in four_ranks[0]:
-        pytest.skip("bagua_comm.compression is not available yet")
     for a, b in ((0, 1), (2, 3)):            # ranks of a node share the broadcast weights
         torch.testing.assert_close(four_ranks[a]["low_precision"][0],
                                    four_ranks[b]["low_precision"][0], atol=0, rtol=0)

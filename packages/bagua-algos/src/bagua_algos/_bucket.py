@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from bagua_comm.bucket import Bucket
+
 
 def _same_storage(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     return a is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape
@@ -43,10 +45,14 @@ class BaguaBucket:
         for p in params:
             self.offsets.append(off)
             off += p.numel()
-        self.grad = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
-        self._grad_views = self._views(self.grad)
+        # gradient slots: zero tensors shaped like the parameters, flattened by bagua_comm
+        self._grads = Bucket([torch.zeros_like(p, memory_format=torch.contiguous_format)
+                              for p in params], alignment=alignment, name=f"{self.name}.grad")
+        self.grad = self._grads.buffer
+        self._grad_views = self._grads.tensors
         self.weight: torch.Tensor | None = None
         self._weight_views: list[torch.Tensor] = []
+        self._alignment = alignment
         if flatten_weights:
             self._init_weights()
 
@@ -54,13 +60,15 @@ class BaguaBucket:
         return [buf[o:o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params)]
 
     def _init_weights(self) -> None:
-        self.weight = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
-        self._weight_views = self._views(self.weight)
-        with torch.no_grad():
-            for p, v in zip(self.params, self._weight_views):
-                v.copy_(p)
-                if self.flatten:
-                    p.data = v
+        if self.flatten:   # the parameters themselves become views of the weight buffer
+            self._weights = Bucket(self.params, alignment=self._alignment,
+                                   name=f"{self.name}.weight")
+            self.weight = self._weights.buffer
+            self._weight_views = [self._weights.slice(i).view(p.shape)
+                                  for i, p in enumerate(self.params)]
+            return
+        self._ensure_weight()
+        self.gather_weights()
 
     @property
     def nbytes(self) -> int:
