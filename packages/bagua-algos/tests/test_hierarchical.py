@@ -2,12 +2,33 @@
 
 import pytest
 import torch
+from _common import batch, loss_fn, make_model, params
 from test_decentralized import _run, reference_dpsgd
 from test_gradient_allreduce import check_equals_full_batch, train_allreduce
 
 import bagua_comm as bc
-from bagua_algos import ByteGrad, Decentralized, GradientAllReduce, LowPrecisionDecentralized
+from bagua_algos import (
+    ByteGrad,
+    Decentralized,
+    GradientAllReduce,
+    LowPrecisionDecentralized,
+    QAdam,
+    QAdamOptimizer,
+    with_bagua,
+)
 from bagua_comm.testing import run_ranks
+
+
+def _qadam_hierarchical():
+    model = make_model(seed=1)
+    opt = QAdamOptimizer(model.parameters(), lr=1e-2, warmup_steps=3)
+    model = with_bagua(model, [opt], QAdam(opt, hierarchical=True), bucket_size=300)
+    rank = bc.get_rank()
+    for step in range(8):                     # 3 warmup steps, then compressed momentum
+        opt.zero_grad()
+        loss_fn(model, *batch(step, rank)).backward()
+        opt.step()
+    return params(model)
 
 
 def _four_ranks():
@@ -19,6 +40,7 @@ def _four_ranks():
         out[name] = (_run(algo), reference_dpsgd(mode, 1))
     out["bytegrad"] = train_allreduce(ByteGrad(hierarchical=True))
     out["low_precision"] = _run(LowPrecisionDecentralized(hierarchical=True))
+    out["qadam"] = _qadam_hierarchical()
     # hierarchical shift_one pairs node leaders: 2 nodes -> always the other node
     out["node"] = bc.get_node_rank()
     return out
@@ -55,3 +77,9 @@ def test_hierarchical_low_precision_keeps_nodes_identical_and_trains(four_ranks)
     for r in four_ranks:
         _, before, after, _ = r["low_precision"]
         assert after < 0.8 * before
+
+
+def test_hierarchical_qadam_keeps_ranks_identical(four_ranks):
+    first = four_ranks[0]["qadam"]
+    for r in four_ranks:
+        assert all(torch.equal(a, b) for a, b in zip(r["qadam"], first))

@@ -43,6 +43,24 @@ class SignSGDImpl(AlgorithmImpl):
                                     async_op=True)
 
 
+class _Probe(Algorithm, name="test_probe"):
+    """Records, at each bucket launch, whether the first layer's gradient exists yet."""
+
+    def reify(self, group):
+        return _ProbeImpl(group)
+
+
+class _ProbeImpl(AlgorithmImpl):
+    def init_operations(self, module, buckets):
+        self.first = next(module.module.parameters())
+        self.seen = []
+
+    def bucket_ready_hook(self, module, bucket):
+        self.seen.append((bucket.index, self.first.grad is not None))
+        return bc.allreduce_inplace(bucket.grad, bc.ReduceOp.AVG, group=self.group,
+                                    async_op=True)
+
+
 # -- single process ------------------------------------------------------------------------------
 def test_registry_builds_every_algorithm_by_name():
     assert set(Algorithm.registered()) >= {"gradient_allreduce", "bytegrad", "decentralized",
@@ -119,6 +137,13 @@ def _contract():
     out["before"] = before
     out["trained"] = params(model)
     out["hooks"] = len(model._hooks)
+    # Overlap: buckets launch in order while backward still runs (first layer not done).
+    probe = make_model(seed=1)
+    probe_opt = torch.optim.SGD(probe.parameters(), lr=0.1)
+    probe = with_bagua(probe, [probe_opt], _Probe(), bucket_size=200)
+    probe_opt.zero_grad(set_to_none=True)
+    loss_fn(probe, *batch(0, rank)).backward()
+    out["launches"] = (probe.impl.seen, len(probe.buckets))
     # A third wrap, as users do when moving to decentralized training, still works.
     model = with_bagua(model, [sgd], Decentralized(hierarchical=False))
     loss_fn(model, *batch(0, rank)).backward()
@@ -149,3 +174,10 @@ def test_custom_algorithm_trains_and_replaces_the_previous_one(contract):
         assert set(g.abs().unique().tolist()) <= {0.0, torch.tensor(0.01).item()}
     assert all(torch.equal(x, y) for x, y in zip(a["trained"], b["trained"]))
     assert a["after"] < a["before"]
+
+
+def test_buckets_launch_in_order_during_backward(contract):
+    for r in contract:
+        seen, n = r["launches"]
+        assert [i for i, _ in seen] == list(range(n)) and n > 2
+        assert not seen[0][1]          # the first bucket left before backward reached layer 1
