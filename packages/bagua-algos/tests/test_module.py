@@ -1,6 +1,8 @@
 """with_bagua's contract: validation, registry, broadcast of rank 0's state, buckets,
 state_dict, switching algorithms, and a user-written algorithm (the README's example)."""
 
+import warnings
+
 import pytest
 import torch
 from _common import batch, eval_loss, loss_fn, make_model, params
@@ -147,6 +149,11 @@ def _contract():
     # A third wrap, as users do when moving to decentralized training, still works.
     model = with_bagua(model, [sgd], Decentralized(hierarchical=False))
     loss_fn(model, *batch(0, rank)).backward()
+    # Its checkpoint state restores into a decentralized run: counter kept, a warning said.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.load_bagua_state_dict({"algorithm": "test_sign_sgd", "step": 7, "impl": {}})
+    out["switched_load"] = (model.step, [str(w.message) for w in caught])
     return out
 
 
@@ -181,3 +188,9 @@ def test_buckets_launch_in_order_during_backward(contract):
         seen, n = r["launches"]
         assert [i for i, _ in seen] == list(range(n)) and n > 2
         assert not seen[0][1]          # the first bucket left before backward reached layer 1
+
+
+def test_state_of_another_algorithm_restores_the_step_counter_with_a_warning(contract):
+    step, messages = contract[0]["switched_load"]
+    assert step == 7
+    assert any("only the step counter is restored" in m for m in messages)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
 
 import torch
@@ -56,6 +57,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self.rounds = 0
         self.error: BaseException | None = None
         self._opt_hooks = []
+        self._atexit_registered = False
 
     def init_operations(self, module, buckets):
         self.buckets = buckets
@@ -100,6 +102,9 @@ class AsyncModelAverageImpl(AlgorithmImpl):
             self.has_pending = False
 
     def _start(self):
+        if not self._atexit_registered:   # a forgotten abort() must not keep peers waiting
+            atexit.register(self._stop_at_exit)
+            self._atexit_registered = True
         self.abort_event.clear()
         self.thread = threading.Thread(target=self._loop, name="bagua-async-average",
                                        daemon=True)
@@ -151,6 +156,12 @@ class AsyncModelAverageImpl(AlgorithmImpl):
                 delta.add_(s)
             self.has_pending = True
         self.rounds += 1
+
+    def _stop_at_exit(self):
+        thread = self.thread
+        if thread is not None and thread.is_alive():
+            self.abort_event.set()
+            thread.join(timeout=self.interval + 10.0)
 
     def shutdown(self):
         if self.thread is not None:

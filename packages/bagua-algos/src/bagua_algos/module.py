@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -196,10 +197,16 @@ class BaguaModule(torch.nn.Module):
                 "impl": self.impl.state_dict()}
 
     def load_bagua_state_dict(self, state: dict) -> None:
-        if state.get("algorithm") != self.algorithm.name:
-            raise ValueError(f"checkpoint holds state of algorithm {state.get('algorithm')!r}, "
-                             f"but this module runs {self.algorithm.name!r}")
+        """Restore :meth:`bagua_state_dict`'s output.  State saved by another algorithm (a
+        run that switched algorithm) restores the step counter only, with a warning."""
+        if not isinstance(state, dict) or "step" not in state:
+            raise ValueError("state must be a dict from BaguaModule.bagua_state_dict()")
         self.step = int(state["step"])
+        if state.get("algorithm") != self.algorithm.name:
+            warnings.warn(f"checkpoint holds the state of algorithm {state.get('algorithm')!r}"
+                          f" but this module runs {self.algorithm.name!r}: only the step "
+                          "counter is restored", stacklevel=2)
+            return
         self.impl.load_state_dict(state["impl"])
 
     def _save_into_optimizer(self, _optimizer, state_dict):
