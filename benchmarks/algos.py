@@ -123,11 +123,11 @@ def _rank_main(width, depth, batch, steps, rounds, warmup, algorithms):
             _step(wrapped, opt, x, y)
         bc.barrier()
         bc.traffic.reset()
-        for _ in range(steps):
-            _step(wrapped, opt, x, y)
+        step_times = [_step(wrapped, opt, x, y) for _ in range(steps)]
         if name == "async":
             wrapped.abort()
         out["bytes"][name] = bc.traffic.bytes_sent() / steps
+        out.setdefault("step", {})[name] = statistics.median(step_times)
         wrapped.detach_algorithm()
         bc.barrier()
     return out
@@ -172,12 +172,14 @@ def main(argv=None):
     print(f"  ratio bagua / DDP               {t_bg / t_ddp:8.3f}   (target <= 1.05)")
     ddp_bytes = r0["bytes"]["ddp"]
     print("\nbytes sent per rank per step (rank 0)")
-    print(f"  {'algorithm':30s} {'bytes/step':>14s} {'x DDP':>8s}")
-    print(f"  {'DDP (gloo)':30s} {ddp_bytes:14,.0f} {1.0:8.3f}")
+    print(f"  {'algorithm':30s} {'bytes/step':>14s} {'x DDP':>8s} {'step ms':>9s}")
+    print(f"  {'DDP (gloo)':30s} {ddp_bytes:14,.0f} {1.0:8.3f} {t_ddp * 1e3:9.2f}")
     for name in algorithms:
         b = r0["bytes"][name]
+        t = statistics.mean(r["step"][name] for r in res)
         note = "   (time-based: sync every 50 ms)" if name == "async" else ""
-        print(f"  {name:30s} {b:14,.0f} {b / ddp_bytes:8.3f}{note}")
+        print(f"  {name:30s} {b:14,.0f} {b / ddp_bytes:8.3f} {t * 1e3:9.2f}{note}")
+    print("  (step ms in this table: one round of steps per algorithm, noisier than above)")
     print("\ntargets: bytegrad and low_precision_decentralized <= 0.3 x DDP")
 
 
