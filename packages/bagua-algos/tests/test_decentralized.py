@@ -93,10 +93,10 @@ def reference_low_precision(steps=STEPS):
     return _flat(model)
 
 
-def _run(algorithm, bucket_size=300):
+def _run(algorithm, bucket_size=300, do_flatten=True):
     model = make_model(seed=bc.get_rank() + 1)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    model = with_bagua(model, [opt], algorithm, bucket_size=bucket_size)
+    model = with_bagua(model, [opt], algorithm, bucket_size=bucket_size, do_flatten=do_flatten)
     before = eval_loss(model, bc.get_world_size())
     rank = bc.get_rank()
     for step in range(STEPS):
@@ -104,6 +104,8 @@ def _run(algorithm, bucket_size=300):
         loss_fn(model, *batch(step, rank)).backward()
         opt.step()
     flat = all(b.check_flat(grads=False) and b.weight is not None for b in model.buckets)
+    flat = flat if model.do_flatten else not any(b.check_flat(grads=False)
+                                                 for b in model.buckets)
     return _flat(model), before, eval_loss(model, bc.get_world_size()), flat
 
 
@@ -112,7 +114,8 @@ def _scenarios(world_kinds):
     for name, algo, ref in world_kinds():
         # one bucket for the low-precision ring: the reference quantises the whole model
         # as one chunk (MinMaxUInt8's min/max is per bucket)
-        got = _run(algo, bucket_size=None if name.startswith("low_precision") else 300)
+        got = _run(algo, bucket_size=None if name.startswith("low_precision") else 300,
+                   do_flatten=not name.endswith("unflattened"))
         out[name] = (got, ref())
     return out
 
@@ -122,6 +125,7 @@ def _two_rank_cases():
         ("all", Decentralized(hierarchical=False), lambda: reference_dpsgd("all", 1)),
         ("all_interval2", Decentralized(hierarchical=False, communication_interval=2),
          lambda: reference_dpsgd("all", 2)),
+        ("all_unflattened", Decentralized(hierarchical=False), lambda: reference_dpsgd("all", 1)),
         ("shift_one", Decentralized(hierarchical=False, peer_selection_mode="shift_one"),
          lambda: reference_dpsgd("shift_one", 1)),
         ("low_precision", LowPrecisionDecentralized(hierarchical=False),
@@ -138,13 +142,14 @@ def two_ranks():
     return run_ranks(_two_ranks, 2, timeout=240)
 
 
-@pytest.mark.parametrize("case", ["all", "all_interval2", "shift_one", "low_precision"])
+@pytest.mark.parametrize("case", ["all", "all_interval2", "all_unflattened", "shift_one",
+                                  "low_precision"])
 def test_matches_reference_update_rule(two_ranks, case):
     for rank_results in two_ranks:
         (got, before, after, flat), ref = rank_results[case]
         torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
         assert after < 0.8 * before                     # it trains
-        assert flat                                      # parameters are views of the buckets
+        assert flat                  # parameters are views of the buckets iff do_flatten
 
 
 def test_shift_one_pairing_rotates_halves():

@@ -64,9 +64,20 @@ def _no_sync_accumulation():
     return [torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip(params(model), params(ref))]
 
 
+def _sum_instead_of_average():
+    rank, world = bc.get_rank(), bc.get_world_size()
+    model = with_bagua(make_model(seed=1), [], GradientAllReduce(average=False))
+    loss_fn(model, *batch(0, rank)).backward()
+    ref = make_model(seed=1)
+    loss_fn(ref, *global_batch(0, world)).backward()
+    return [torch.allclose(p.grad, world * r.grad, atol=1e-6, rtol=0)
+            for p, r in zip(model.parameters(), ref.parameters())]
+
+
 def _two_ranks():
     out = {name: train_allreduce(GradientAllReduce(hierarchical=False), *cfg)
            for name, cfg in CONFIGS.items()}
+    out["sum"] = _sum_instead_of_average()
     out["no_sync"] = _no_sync_accumulation()
     return out
 
@@ -89,3 +100,8 @@ def test_flat_allreduce_equals_full_batch_training(two_ranks, config):
 def test_no_sync_accumulation_equals_full_batch(two_ranks):
     for r in two_ranks:
         assert all(r["no_sync"])
+
+
+def test_average_false_sums_gradients(two_ranks):
+    for r in two_ranks:
+        assert all(r["sum"])

@@ -134,11 +134,11 @@ class BaguaBucket:
         return list(self._grad_views)
 
     def check_flat(self, grads: bool = True) -> bool:
-        """True when every gradient is a view of ``grad`` (unless ``grads=False``) and, for
-        flattened weights, every parameter a view of ``weight``."""
+        """True when every gradient is a view of ``grad`` (unless ``grads=False``) and, where
+        a weight buffer exists, every parameter a view of ``weight``."""
         ok = not grads or all(_same_storage(p.grad, v)
                               for p, v in zip(self.params, self._grad_views))
-        if self.weight is not None and self.flatten:
+        if self.weight is not None:
             ok = ok and all(_same_storage(p.data, v)
                             for p, v in zip(self.params, self._weight_views))
         return ok
