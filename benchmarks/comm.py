@@ -57,8 +57,39 @@ def _time(fn, iters):
     return (time.perf_counter() - start) / iters
 
 
+def _overhead(rounds):
+    """Per-call cost on this rank's own one-rank group (no network: what remains is the
+    software path), ours vs torch's, for each primitive at 4 KiB."""
+    singles = [bc.new_group([r]) for r in range(bc.get_world_size())]
+    g = singles[bc.get_rank()]
+    t = torch.ones(1024)
+    out = torch.empty(1024)
+    pairs = {
+        "allreduce": (lambda: bc.allreduce_inplace(t, group=g),
+                      lambda: dist.all_reduce(t, group=g.torch_group)),
+        "allgather": (lambda: bc.allgather(t, out, group=g),
+                      lambda: _gather(out, t, group=g.torch_group)),
+        "reduce_scatter": (lambda: bc.reduce_scatter(t, out, group=g),
+                           lambda: _rscatter(out, t, group=g.torch_group)),
+        "alltoall": (lambda: bc.alltoall(t, out, group=g),
+                     lambda: dist.all_to_all_single(out, t, group=g.torch_group)),
+    }
+    res = {}
+    for name, (ours, theirs) in pairs.items():
+        t_o, t_t = [], []
+        for _ in range(rounds):
+            for fn, acc in ((ours, t_o), (theirs, t_t)):
+                start = time.perf_counter()
+                for _ in range(300):
+                    fn()
+                acc.append((time.perf_counter() - start) / 300)
+        res[name] = (statistics.median(t_o), statistics.median(t_t))
+    return res
+
+
 def _collectives(sizes, rounds, budget_bytes):
     world = bc.get_world_size()
+    overhead = _overhead(rounds)
     rows = []
     for name in PRIMITIVES:
         for nbytes in sizes:
@@ -71,7 +102,7 @@ def _collectives(sizes, rounds, budget_bytes):
                 for fn, acc in (pair if r % 2 == 0 else pair[::-1]):
                     acc.append(_time(fn, iters))
             rows.append((name, nbytes, statistics.median(t_ours), statistics.median(t_theirs)))
-    return rows
+    return rows, overhead
 
 
 def _fmt_size(n):
@@ -79,6 +110,13 @@ def _fmt_size(n):
         if n >= div:
             return f"{n // div} {unit}"
     return f"{n} B"
+
+
+def print_overhead(overhead):
+    print("\n# Software overhead per call: one-rank group, 4 KiB, in-process (no network)")
+    for name, (t_o, t_t) in overhead.items():
+        print(f"{name:<15} ours {t_o * 1e6:7.1f} us   torch {t_t * 1e6:7.1f} us   "
+              f"difference {(t_o - t_t) * 1e6:+6.1f} us")
 
 
 def print_collectives(rows, world):
@@ -181,8 +219,10 @@ def main(argv=None):
     else:
         sizes = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB .. 64 MiB
         rounds, budget, comp_bytes, reps = 9, 64 << 20, 64 << 20, 7
-    rows = run_ranks(_collectives, args.world, args=(sizes, rounds, budget), timeout=1800)[0]
+    rows, overhead = run_ranks(_collectives, args.world, args=(sizes, rounds, budget),
+                               timeout=1800)[0]
     print_collectives(rows, args.world)
+    print_overhead(overhead)
     compression(comp_bytes, chunks=args.world * 4, reps=reps)
 
 
