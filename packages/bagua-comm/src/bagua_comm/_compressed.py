@@ -23,7 +23,7 @@ import torch.distributed as dist
 from . import _validate as V
 from . import traffic
 from .compression import MinMaxUInt8
-from .ops import ReduceOp
+from .ops import ReduceOp, reduce_rows
 from .work import finish
 
 # Newer torch renamed all_gather_into_tensor (now deprecated) to all_gather_single.
@@ -125,15 +125,7 @@ def _run(g, send, recv, op, compressor, k, seg, key):
     # 2. reduce my segment in float32
     parts = _scratch(g, "parts", padded, torch.float32)
     compressor.decompress(received, parts, chunks=chunks, dtype=send.dtype)
-    parts = parts.view(n, seg)
-    if op is ReduceOp.MIN:
-        mine = parts.amin(0)
-    elif op is ReduceOp.MAX:
-        mine = parts.amax(0)
-    else:
-        mine = parts.sum(0)
-        if op is ReduceOp.AVG:
-            mine.div_(n)
+    mine = reduce_rows(parts.view(n, seg), op)
     # 3. gather: every rank's re-compressed segment
     own = compressor.compress(mine.to(send.dtype), chunks=k, key=f"{key}/gather")
     gathered = _scratch(g, "gathered", n * own.numel(), torch.uint8)
