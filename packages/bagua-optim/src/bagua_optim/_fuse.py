@@ -30,6 +30,8 @@ def _run_step(opt: Optimizer, args: tuple, kwargs: dict):
     fuser: Fuser | None = opt.__dict__.get("_bagua_fuse")
     if fuser is None:   # a copy made through Optimizer.__getstate__ (deepcopy, pickle)
         fuser = opt._bagua_fuse = Fuser(_inner_step(type(opt)._bagua_unfused_class), True, True)
+    if not fuser.fuses_anything(opt):     # e.g. LBFGS: its own step, closure and all
+        return fuser.inner_step(opt, *args, **kwargs)
     closure = None
     if args and callable(args[0]):
         closure, args = args[0], (None, *args[1:])

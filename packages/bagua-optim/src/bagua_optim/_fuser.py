@@ -109,6 +109,11 @@ class Fuser:
             for run in lay.runs:
                 run.segments = None
 
+    def fuses_anything(self, opt) -> bool:
+        if len(self.layouts) != len(opt.param_groups):
+            self.sync_layouts(opt)
+        return any(lay.runs for lay in self.layouts)
+
     # -- one step -------------------------------------------------------------------------
     def prepare(self, opt) -> tuple[list[dict], list[Segment]]:
         """The param groups to hand the optimizer's step, and the segments inside them."""
@@ -138,8 +143,6 @@ class Fuser:
             if not run.grads_in_place():
                 before = [g is None for g in run.grad_views]
                 if not run.adopt_grads():
-                    if not run.owned:       # adopted layout changed: look again next step
-                        lay.n = -1
                     run.segments = None
                     params += run.params    # this step: one by one, exactly as unfused
                     continue

@@ -69,10 +69,12 @@ class Run:
         """Record the gradients as they are now, moving foreign ones into the flat buffer.
 
         Returns False when a gradient cannot be a view of this run's flat gradient (sparse,
-        another dtype or device, or a run that may not move anything): the caller then lays
-        the group out again.
+        another dtype or device, or, for a run that may not move anything, not where the
+        other gradients put it): the caller then steps the run unfused.
         """
-        if self.flat_grad is None and self.owned:
+        if not self.owned:
+            return self._find_grads()
+        if self.flat_grad is None:
             self.flat_grad = torch.zeros_like(self.flat)
         moved_src, moved_dst = [], []
         for i, p in enumerate(self.params):
@@ -80,24 +82,49 @@ class Run:
             if g is None or g is self.grad_views[i]:
                 self.grad_views[i] = g
                 continue
-            if self.flat_grad is not None:
-                slot = self._slot(self.flat_grad, i)
-                if g.data_ptr() == slot.data_ptr() and g.shape == p.shape and g.is_contiguous():
-                    self.grad_views[i] = g      # already in place (another view object)
-                    continue
-            if not self.owned or g.layout != torch.strided or g.dtype != p.dtype \
-                    or g.device != p.device or g.shape != p.shape:
-                return False
             slot = self._slot(self.flat_grad, i)
-            moved_src.append(g)
-            moved_dst.append(slot)
-            self.grad_views[i] = slot
+            if g.layout != torch.strided or g.dtype != p.dtype or g.device != p.device \
+                    or g.shape != p.shape:
+                return False
+            if g.data_ptr() != slot.data_ptr() or not g.is_contiguous():
+                moved_src.append(g)
+                moved_dst.append(slot)
+                g = slot
+            self.grad_views[i] = g
         if moved_src:
             torch._foreach_copy_(moved_dst, moved_src)
             with torch.no_grad():
-                for i, p in enumerate(self.params):
-                    if p.grad is not self.grad_views[i]:
-                        p.grad = self.grad_views[i]
+                for p, v in zip(self.params, self.grad_views):
+                    if p.grad is not v:
+                        p.grad = v
+        return True
+
+    def _find_grads(self) -> bool:
+        """For a run that moves nothing: do the gradients lie back to back as well?"""
+        grads = [p.grad for p in self.params]
+        base = None
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if g.layout != torch.strided or g.dtype != self.flat.dtype \
+                    or g.device != self.flat.device or not g.is_contiguous() \
+                    or g.shape != self.params[i].shape:
+                return False
+            start = g.storage_offset() - self.offsets[i]
+            if base is None:
+                base = g
+                base_start = start
+            elif (g.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+                  or start != base_start):
+                return False
+        if base is not None:
+            total = self.flat.numel()
+            if base_start < 0 or (base_start + total) * base.element_size() \
+                    > base.untyped_storage().nbytes():
+                return False
+            self.flat_grad = base.new_empty(0).set_(
+                base.untyped_storage(), base_start, (total,), (1,))
+        self.grad_views = grads
         return True
 
 
@@ -125,10 +152,10 @@ def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def adopt(params: list[torch.Tensor]) -> list[Run]:
-    """Runs of parameters (and gradients) that are already back to back in memory.
+    """Runs of parameters that are already back to back in memory; nothing is copied.
 
-    Parameters are taken in storage order; a run needs every member's data and gradient to
-    follow the previous member's directly in the same storage.  Nothing is copied.
+    Parameters are taken in storage order.  Their gradients are looked at by each step
+    (``Run.adopt_grads``): a run is fused only while they lie back to back as well.
     """
     ordered = sorted(params, key=_PTR)
     runs: list[Run] = []
@@ -136,18 +163,13 @@ def adopt(params: list[torch.Tensor]) -> list[Run]:
 
     def close():
         if len(cur) > 1:
-            total = sum(p.numel() for p in cur)
-            run = Run(list(cur), _span(cur[0], total), owned=False)
-            run.flat_grad = _span(cur[0].grad, total)
-            run.grad_views = [p.grad for p in cur]
+            run = Run(list(cur), _span(cur[0], sum(p.numel() for p in cur)), owned=False)
+            run.grad_views = [object()] * len(cur)     # never "in place": looked at first
             runs.append(run)
         cur.clear()
 
     for p in ordered:
-        if p.grad is None or not fusable(p.grad) or p.grad.dtype != p.dtype:
-            close()
-            continue
-        if cur and not (_adjacent(cur[-1], p) and _adjacent(cur[-1].grad, p.grad)):
+        if cur and not _adjacent(cur[-1], p):
             close()
         cur.append(p)
     close()
