@@ -131,16 +131,24 @@ def test_check_flatten_repairs_replaced_storage():
     for s in range(2):
         _step(ma, plain, s)
         _step(mb, fused, s)
-    # someone replaces a parameter's storage behind the optimizer's back
+    # someone replaces parameters' storage behind the optimizer's back
     with torch.no_grad():
         for m in (ma, mb):
             m[0].weight.data = m[0].weight.data.clone() * 0.5
-    assert mb[0].weight.untyped_storage().data_ptr() != mb[2].weight.untyped_storage().data_ptr()
+            m[2].weight.data = m[2].weight.data.clone() * 0.5
+    def storage(p):
+        return p.untyped_storage().data_ptr()
+
+    assert storage(mb[0].weight) != storage(mb[0].bias)
     for s in range(2, 5):
         _step(ma, plain, s)
         _step(mb, fused, s)
         assert_same_params(ma, mb)
-    assert len({p.untyped_storage().data_ptr() for p in mb.parameters()}) == 1
+    # repaired: the replaced ones were flattened again, the others stayed where they were
+    layout = fused._bagua_fuse.layouts[0]
+    assert not layout.loose
+    assert storage(mb[0].weight) == storage(mb[2].weight)
+    assert_same_state(plain.state_dict(), fused.state_dict())
 
 
 def test_do_flatten_false_uses_existing_flat_storage():

@@ -66,16 +66,12 @@ class Fuser:
             if why is not None:
                 loose += ps
                 continue
-            if self.do_flatten:
-                if len(ps) > 1:
-                    runs.append(_layout.flatten(ps))
-                else:
-                    loose += ps
+            got, rest = _layout.adopt(ps, move_grads=self.do_flatten)
+            runs += got
+            if self.do_flatten and len(rest) > 1:
+                runs.append(_layout.flatten(rest))
             else:
-                got = _layout.adopt(ps)
-                inside = {id(p) for r in got for p in r.params}
-                runs += got
-                loose += [p for p in ps if id(p) not in inside]
+                loose += rest
         return GroupLayout(params, runs, loose)
 
     def _verdict(self, opt, index, group, dtype, device) -> str | None:

@@ -1,11 +1,12 @@
 """Flat storage for runs of parameters and their gradients.
 
 A *run* is a list of parameters of one param group, one dtype and one device whose data are
-consecutive views of one flat 1-D buffer (and, once they have gradients, whose gradients are
-consecutive views of a second flat buffer).  With ``do_flatten=True`` the run owns both
-buffers: parameters are copied in and re-pointed with ``p.data = view``.  With
-``do_flatten=False`` a run only adopts parameters that some other component (for example a
-bagua-algos bucket) already laid out back to back, and nothing is ever moved.
+consecutive pieces of one flat 1-D buffer, and whose gradients, when present, are consecutive
+pieces of a second one.  Parameters already laid out back to back (by bagua-algos buckets, an
+earlier flatten, cuDNN RNN weights) are adopted where they are; with ``do_flatten=True`` the
+others are copied into a new flat buffer and re-pointed (``p.data = view``).  Gradients are
+looked at before every step: wherever they lie back to back they are used in place, otherwise
+(``do_flatten=True`` only) they are copied into the run's own flat gradient and re-pointed.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import torch
 
 _GRAD = operator.attrgetter("grad")
 _PTR = torch.Tensor.data_ptr
+_UNSEEN = object()      # a gradient never looked at: fails the identity check
 
 
-def _span(first: torch.Tensor, total: int) -> torch.Tensor:
-    """A 1-D tensor of ``total`` elements over ``first``'s storage, starting where it starts."""
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))
+def _span(base: torch.Tensor, start: int, total: int) -> torch.Tensor:
+    """A 1-D tensor of ``total`` elements over ``base``'s storage, from element ``start``."""
+    return base.new_empty(0).set_(base.untyped_storage(), start, (total,), (1,))
 
 
 def fusable(p: torch.Tensor) -> bool:
@@ -33,13 +35,13 @@ def fusable(p: torch.Tensor) -> bool:
 class Run:
     """Consecutive parameters sharing one flat data buffer and one flat gradient buffer."""
 
-    __slots__ = ("flat", "flat_grad", "grad_views", "numels", "offsets", "owned", "params",
-                 "ptrs", "segments")
+    __slots__ = ("flat", "flat_grad", "grad_views", "move_grads", "numels", "offsets",
+                 "own_grad", "params", "ptrs", "segments")
 
-    def __init__(self, params: list[torch.Tensor], flat: torch.Tensor, owned: bool):
+    def __init__(self, params: list[torch.Tensor], flat: torch.Tensor, move_grads: bool):
         self.params = params
         self.flat = flat
-        self.owned = owned              # we allocated flat/flat_grad and may move grads in
+        self.move_grads = move_grads    # may re-point gradients into own_grad
         self.numels = [p.numel() for p in params]
         self.offsets = []
         off = 0
@@ -47,8 +49,9 @@ class Run:
             self.offsets.append(off)
             off += n
         self.ptrs = list(map(_PTR, params))
+        self.own_grad: torch.Tensor | None = None
         self.flat_grad: torch.Tensor | None = None
-        self.grad_views: list[torch.Tensor | None] = [None] * len(params)
+        self.grad_views: list = [_UNSEEN] * len(params)
         self.segments = None            # built lazily by the step (see _segments.py)
 
     # -- checks on the hot path ------------------------------------------------------------
@@ -61,88 +64,75 @@ class Run:
         return list(map(_PTR, self.params)) == self.ptrs
 
     # -- gradients ------------------------------------------------------------------------
-    def _slot(self, buf: torch.Tensor, i: int) -> torch.Tensor:
-        o = self.offsets[i]
-        return buf[o:o + self.numels[i]].view_as(self.params[i])
-
     def adopt_grads(self) -> bool:
-        """Record the gradients as they are now, moving foreign ones into the flat buffer.
+        """Record the gradients as they are now; False when they cannot be fused this step.
 
-        Returns False when a gradient cannot be a view of this run's flat gradient (sparse,
-        another dtype or device, or, for a run that may not move anything, not where the
-        other gradients put it): the caller then steps the run unfused.
+        Gradients already back to back (in any storage) are used in place; otherwise, when
+        allowed, they are copied into the run's own flat gradient and re-pointed there.
         """
-        if not self.owned:
-            return self._find_grads()
-        if self.flat_grad is None:
-            self.flat_grad = torch.zeros_like(self.flat)
-        moved_src, moved_dst = [], []
-        for i, p in enumerate(self.params):
-            g = p.grad
-            if g is None or g is self.grad_views[i]:
-                self.grad_views[i] = g
-                continue
-            slot = self._slot(self.flat_grad, i)
-            if g.layout != torch.strided or g.dtype != p.dtype or g.device != p.device \
-                    or g.shape != p.shape:
+        grads = list(map(_GRAD, self.params))
+        for g, p in zip(grads, self.params):
+            if g is not None and (g.layout != torch.strided or g.dtype != p.dtype
+                                  or g.device != p.device or g.shape != p.shape):
                 return False
-            if g.data_ptr() != slot.data_ptr() or not g.is_contiguous():
-                moved_src.append(g)
-                moved_dst.append(slot)
-                g = slot
-            self.grad_views[i] = g
-        if moved_src:
-            torch._foreach_copy_(moved_dst, moved_src)
+        flat_grad = self._back_to_back(grads)
+        if flat_grad is None:
+            if not self.move_grads:
+                return False
+            if self.own_grad is None:
+                self.own_grad = torch.zeros_like(self.flat)
+            flat_grad = self.own_grad
+            dst, src = [], []
+            for i, (g, p) in enumerate(zip(grads, self.params)):
+                if g is not None:
+                    o = self.offsets[i]
+                    view = flat_grad[o:o + self.numels[i]].view_as(p)
+                    if g.data_ptr() != view.data_ptr():
+                        dst.append(view)
+                        src.append(g)
+                    grads[i] = view
+            torch._foreach_copy_(dst, src)
             with torch.no_grad():
-                for p, v in zip(self.params, self.grad_views):
-                    if p.grad is not v:
-                        p.grad = v
+                for p, g in zip(self.params, grads):
+                    if p.grad is not g:
+                        p.grad = g
+        self.flat_grad = flat_grad
+        self.grad_views = grads
         return True
 
-    def _find_grads(self) -> bool:
-        """For a run that moves nothing: do the gradients lie back to back as well?"""
-        grads = [p.grad for p in self.params]
-        base = None
+    def _back_to_back(self, grads: list) -> torch.Tensor | None:
+        """One flat tensor the present gradients are consecutive pieces of, or None."""
+        base = start = None
         for i, g in enumerate(grads):
             if g is None:
                 continue
-            if g.layout != torch.strided or g.dtype != self.flat.dtype \
-                    or g.device != self.flat.device or not g.is_contiguous() \
-                    or g.shape != self.params[i].shape:
-                return False
-            start = g.storage_offset() - self.offsets[i]
+            if not g.is_contiguous():
+                return None
+            at = g.storage_offset() - self.offsets[i]
             if base is None:
-                base = g
-                base_start = start
-            elif (g.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
-                  or start != base_start):
-                return False
-        if base is not None:
-            total = self.flat.numel()
-            if base_start < 0 or (base_start + total) * base.element_size() \
-                    > base.untyped_storage().nbytes():
-                return False
-            self.flat_grad = base.new_empty(0).set_(
-                base.untyped_storage(), base_start, (total,), (1,))
-        self.grad_views = grads
-        return True
+                base, start = g, at
+            elif at != start or g.untyped_storage().data_ptr() != \
+                    base.untyped_storage().data_ptr():
+                return None
+        if base is None:
+            return self.flat_grad if self.flat_grad is not None else self.own_grad
+        total = self.flat.numel()
+        if start < 0 or (start + total) * base.element_size() > base.untyped_storage().nbytes():
+            return None
+        if self.flat_grad is not None and self.flat_grad.data_ptr() == \
+                base.untyped_storage().data_ptr() + start * base.element_size():
+            return self.flat_grad
+        return _span(base, start, total)
 
 
 def flatten(params: list[torch.Tensor]) -> Run:
     """Copy ``params`` into one new flat buffer and make each parameter a view of it."""
     flat = torch.cat([p.detach().reshape(-1) for p in params])
-    run = Run(params, flat, owned=True)
+    run = Run(params, flat, move_grads=True)
     with torch.no_grad():
-        for i, p in enumerate(params):
-            p.data = run._slot(flat, i)
+        for p, o, n in zip(params, run.offsets, run.numels):
+            p.data = flat[o:o + n].view_as(p)
     run.ptrs = list(map(_PTR, params))
-    grads = [p.grad for p in params]
-    if any(g is not None for g in grads):
-        run.flat_grad = torch.zeros_like(flat)
-        if not run.adopt_grads():
-            # a gradient that cannot be fused (sparse, ...): leave it to the per-step check
-            run.flat_grad = torch.zeros_like(flat)
-            run.grad_views = [None] * len(params)
     return run
 
 
@@ -151,29 +141,32 @@ def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.storage_offset() + a.numel() == b.storage_offset())
 
 
-def adopt(params: list[torch.Tensor]) -> list[Run]:
-    """Runs of parameters that are already back to back in memory; nothing is copied.
+def adopt(params: list[torch.Tensor], move_grads: bool) -> tuple[list[Run], list]:
+    """Runs of parameters already back to back in memory, and the parameters left over.
 
-    Parameters are taken in storage order.  Their gradients are looked at by each step
-    (``Run.adopt_grads``): a run is fused only while they lie back to back as well.
+    Parameters are taken in storage order; nothing is copied.
     """
-    ordered = sorted(params, key=_PTR)
     runs: list[Run] = []
+    rest: list[torch.Tensor] = []
     cur: list[torch.Tensor] = []
 
     def close():
         if len(cur) > 1:
-            run = Run(list(cur), _span(cur[0], sum(p.numel() for p in cur)), owned=False)
-            run.grad_views = [object()] * len(cur)     # never "in place": looked at first
-            runs.append(run)
+            first = cur[0]
+            flat = _span(first, first.storage_offset(), sum(p.numel() for p in cur))
+            runs.append(Run(list(cur), flat, move_grads))
+        else:
+            rest.extend(cur)
         cur.clear()
 
-    for p in ordered:
+    for p in sorted(params, key=_PTR):
         if cur and not _adjacent(cur[-1], p):
             close()
         cur.append(p)
     close()
-    return runs
+    order = {id(p): i for i, p in enumerate(params)}
+    rest.sort(key=lambda p: order[id(p)])
+    return runs, rest
 
 
 def split_by_key(params: Iterable[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:

@@ -19,9 +19,11 @@ import torch
 
 from ._layout import Run
 
-# A segment never spans more elements than this (big buffers stop paying off, and very large
-# temporaries cost page faults); single parameters larger than it form their own segment.
-MAX_SEGMENT_NUMEL = 1 << 22
+# A segment spans at most this many elements (1 MiB of float32): enough that the per-update
+# overhead no longer matters, small enough that an optimizer's several passes over a segment
+# (and its temporaries) stay in cache as they do per parameter.  A larger parameter forms a
+# segment of its own, so large parameters are stepped exactly as without fusing.
+MAX_SEGMENT_NUMEL = 1 << 18
 
 
 class NotElementwiseError(RuntimeError):
