@@ -3,8 +3,10 @@ optimizer's own ``step`` instead of the parameters themselves."""
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Callable
+from itertools import repeat
 
 import torch
 
@@ -68,10 +70,12 @@ class Fuser:
                 continue
             got, rest = _layout.adopt(ps, move_grads=self.do_flatten)
             runs += got
-            if self.do_flatten and len(rest) > 1:
-                runs.append(_layout.flatten(rest))
+            small = [p for p in rest if p.numel() < _layout.MAX_SEGMENT_NUMEL]
+            loose += [p for p in rest if p.numel() >= _layout.MAX_SEGMENT_NUMEL]
+            if self.do_flatten and len(small) > 1:
+                runs.append(_layout.flatten(small))
             else:
-                loose += rest
+                loose += small
         return GroupLayout(params, runs, loose)
 
     def _verdict(self, opt, index, group, dtype, device) -> str | None:
@@ -137,12 +141,12 @@ class Fuser:
         params = list(lay.loose)
         for run in lay.runs:
             if not run.grads_in_place():
-                before = [g is None for g in run.grad_views]
+                before = list(map(operator.is_, run.grad_views, repeat(None)))
                 if not run.adopt_grads():
                     run.segments = None
                     params += run.params    # this step: one by one, exactly as unfused
                     continue
-                if before != [g is None for g in run.grad_views]:
+                if before != list(map(operator.is_, run.grad_views, repeat(None))):
                     run.segments = None
             if run.segments is None:
                 run.segments = build_segments(run, opt.state)

@@ -20,10 +20,17 @@ _GRAD = operator.attrgetter("grad")
 _PTR = torch.Tensor.data_ptr
 _UNSEEN = object()      # a gradient never looked at: fails the identity check
 
+# A segment spans at most this many elements (1 MiB of float32): enough that the per-update
+# overhead no longer matters, small enough that an optimizer's several passes over a segment
+# (and its temporaries) stay in cache as they do per parameter.  A parameter this large is
+# never copied into a flat buffer: it is stepped exactly as without fusing.
+MAX_SEGMENT_NUMEL = 1 << 18
+
 
 def _span(base: torch.Tensor, start: int, total: int) -> torch.Tensor:
     """A 1-D tensor of ``total`` elements over ``base``'s storage, from element ``start``."""
     return base.new_empty(0).set_(base.untyped_storage(), start, (total,), (1,))
+
 
 
 def fusable(p: torch.Tensor) -> bool:
@@ -36,7 +43,7 @@ class Run:
     """Consecutive parameters sharing one flat data buffer and one flat gradient buffer."""
 
     __slots__ = ("flat", "flat_grad", "grad_views", "move_grads", "numels", "offsets",
-                 "own_grad", "params", "ptrs", "segments")
+                 "own_grad", "own_slots", "params", "ptrs", "segments")
 
     def __init__(self, params: list[torch.Tensor], flat: torch.Tensor, move_grads: bool):
         self.params = params
@@ -50,6 +57,7 @@ class Run:
             off += n
         self.ptrs = list(map(_PTR, params))
         self.own_grad: torch.Tensor | None = None
+        self.own_slots: list[torch.Tensor] = []
         self.flat_grad: torch.Tensor | None = None
         self.grad_views: list = [_UNSEEN] * len(params)
         self.segments = None            # built lazily by the step (see _segments.py)
@@ -64,65 +72,64 @@ class Run:
         return list(map(_PTR, self.params)) == self.ptrs
 
     # -- gradients ------------------------------------------------------------------------
+    def _slots(self) -> list[torch.Tensor]:
+        """Views of the run's own flat gradient, one per member (made once)."""
+        if self.own_grad is None:
+            self.own_grad = torch.zeros_like(self.flat)
+            self.own_slots = [self.own_grad[o:o + n].view_as(p)
+                              for p, o, n in zip(self.params, self.offsets, self.numels)]
+        return self.own_slots
+
     def adopt_grads(self) -> bool:
         """Record the gradients as they are now; False when they cannot be fused this step.
 
         Gradients already back to back (in any storage) are used in place; otherwise, when
         allowed, they are copied into the run's own flat gradient and re-pointed there.
+        (torch guarantees a dense gradient has its parameter's shape, dtype and device.)
         """
         grads = list(map(_GRAD, self.params))
-        for g, p in zip(grads, self.params):
-            if g is not None and (g.layout != torch.strided or g.dtype != p.dtype
-                                  or g.device != p.device or g.shape != p.shape):
-                return False
-        flat_grad = self._back_to_back(grads)
+        present = [g for g in grads if g is not None]
+        try:
+            flat_grad = self._back_to_back(grads, present)
+        except RuntimeError:    # sparse gradients have no data pointer: step them unfused
+            return False
         if flat_grad is None:
             if not self.move_grads:
                 return False
-            if self.own_grad is None:
-                self.own_grad = torch.zeros_like(self.flat)
-            flat_grad = self.own_grad
-            dst, src = [], []
-            for i, (g, p) in enumerate(zip(grads, self.params)):
-                if g is not None:
-                    o = self.offsets[i]
-                    view = flat_grad[o:o + self.numels[i]].view_as(p)
-                    if g.data_ptr() != view.data_ptr():
-                        dst.append(view)
-                        src.append(g)
-                    grads[i] = view
-            torch._foreach_copy_(dst, src)
+            slots = self._slots()
+            if len(present) == len(grads):
+                torch._foreach_copy_(slots, grads)
+                grads = list(slots)
+            else:
+                grads = [None if g is None else s for s, g in zip(slots, grads)]
+                torch._foreach_copy_([g for g in grads if g is not None], present)
             with torch.no_grad():
                 for p, g in zip(self.params, grads):
-                    if p.grad is not g:
-                        p.grad = g
+                    p.grad = g
+            flat_grad = self.own_grad
         self.flat_grad = flat_grad
         self.grad_views = grads
         return True
 
-    def _back_to_back(self, grads: list) -> torch.Tensor | None:
+    def _back_to_back(self, grads: list, present: list) -> torch.Tensor | None:
         """One flat tensor the present gradients are consecutive pieces of, or None."""
-        base = start = None
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
-            if not g.is_contiguous():
-                return None
-            at = g.storage_offset() - self.offsets[i]
-            if base is None:
-                base, start = g, at
-            elif at != start or g.untyped_storage().data_ptr() != \
-                    base.untyped_storage().data_ptr():
-                return None
-        if base is None:
+        if not present:
             return self.flat_grad if self.flat_grad is not None else self.own_grad
-        total = self.flat.numel()
-        if start < 0 or (start + total) * base.element_size() > base.untyped_storage().nbytes():
+        size = self.flat.element_size()
+        first = next(i for i, g in enumerate(grads) if g is not None)
+        base = present[0].data_ptr() - self.offsets[first] * size
+        for g, o in zip(grads, self.offsets):
+            if g is not None and g.data_ptr() != base + o * size:
+                return None
+        if not all(map(torch.Tensor.is_contiguous, present)):
             return None
-        if self.flat_grad is not None and self.flat_grad.data_ptr() == \
-                base.untyped_storage().data_ptr() + start * base.element_size():
+        if self.flat_grad is not None and self.flat_grad.data_ptr() == base:
             return self.flat_grad
-        return _span(base, start, total)
+        storage = present[0].untyped_storage()
+        start, rem = divmod(base - storage.data_ptr(), size)
+        if rem or start < 0 or (start + self.flat.numel()) * size > storage.nbytes():
+            return None
+        return present[0].new_empty(0).set_(storage, start, (self.flat.numel(),), (1,))
 
 
 def flatten(params: list[torch.Tensor]) -> Run:

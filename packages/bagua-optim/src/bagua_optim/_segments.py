@@ -17,13 +17,7 @@ from typing import Any
 
 import torch
 
-from ._layout import Run
-
-# A segment spans at most this many elements (1 MiB of float32): enough that the per-update
-# overhead no longer matters, small enough that an optimizer's several passes over a segment
-# (and its temporaries) stay in cache as they do per parameter.  A larger parameter forms a
-# segment of its own, so large parameters are stepped exactly as without fusing.
-MAX_SEGMENT_NUMEL = 1 << 18
+from ._layout import MAX_SEGMENT_NUMEL, Run
 
 
 class NotElementwiseError(RuntimeError):
