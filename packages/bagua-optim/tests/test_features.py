@@ -7,7 +7,7 @@ import pytest
 import torch
 from _helpers import assert_same_params, assert_same_state, backward, make_model
 
-from bagua_optim import fuse_optimizer
+from bagua_optim import fuse_optimizer, is_fused_optimizer
 
 
 def _pair(cls=torch.optim.AdamW, **kw):
@@ -200,3 +200,23 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="do_flatten"):
         fuse_optimizer(opt, do_flatten="yes")
     assert fuse_optimizer(fuse_optimizer(opt)) is opt
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_of_a_fused_optimizer_stay_fused(how):
+    ma, plain, mb, fused = _pair(torch.optim.Adam)
+    _step(ma, plain, 0)
+    _step(mb, fused, 0)
+    if how == "deepcopy":
+        mc, fc = copy.deepcopy((mb, fused))
+    else:
+        buf = io.BytesIO()
+        torch.save((mb, fused), buf)
+        buf.seek(0)
+        mc, fc = torch.load(buf, weights_only=False)
+    assert is_fused_optimizer(fc) and fc.param_groups[0]["params"][0] is mc[0].weight
+    for s in range(1, 4):
+        _step(ma, plain, s)
+        _step(mc, fc, s)
+        assert_same_params(ma, mc)
+    assert_same_state(plain.state_dict(), fc.state_dict())

@@ -27,9 +27,7 @@ def _inner_step(cls: type):
 
 
 def _run_step(opt: Optimizer, args: tuple, kwargs: dict):
-    fuser: Fuser | None = opt.__dict__.get("_bagua_fuse")
-    if fuser is None:   # a copy made through Optimizer.__getstate__ (deepcopy, pickle)
-        fuser = opt._bagua_fuse = Fuser(_inner_step(type(opt)._bagua_unfused_class), True, True)
+    fuser: Fuser = opt._bagua_fuse
     if not fuser.fuses_anything(opt):     # e.g. LBFGS: its own step, closure and all
         return fuser.inner_step(opt, *args, **kwargs)
     closure = None
@@ -88,14 +86,26 @@ def _fused_class(cls: type) -> type:
         cls.load_state_dict(self, state_dict)
         self._bagua_fuse.reset_segments()
 
+    def __reduce_ex__(self, protocol):
+        # pickle/deepcopy: rebuild the unfused optimizer from torch's own state, then fuse it
+        fuser = self._bagua_fuse
+        return _restore, (cls, self.__getstate__(), fuser.do_flatten, fuser.check_flatten)
+
     add_param_group.__doc__ = cls.add_param_group.__doc__
     load_state_dict.__doc__ = cls.load_state_dict.__doc__
     ns = {"step": step, "fuse_step": fuse_step, "add_param_group": add_param_group,
-          "load_state_dict": load_state_dict, "_bagua_unfused_class": cls,
+          "load_state_dict": load_state_dict, "__reduce_ex__": __reduce_ex__,
+          "_bagua_unfused_class": cls,
           "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
     new = type(cls.__name__, (cls,), ns)
     _CLASSES[cls] = new
     return new
+
+
+def _restore(cls: type, state: dict, do_flatten: bool, check_flatten: bool) -> Optimizer:
+    opt = cls.__new__(cls)
+    opt.__setstate__(state)
+    return fuse_optimizer(opt, do_flatten=do_flatten, check_flatten=check_flatten)
 
 
 def _repoint_lr_scheduler_wrapper(opt: Optimizer) -> None:
