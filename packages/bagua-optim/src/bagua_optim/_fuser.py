@@ -70,8 +70,8 @@ class Fuser:
                 continue
             got, rest = _layout.adopt(ps, move_grads=self.do_flatten)
             runs += got
-            small = [p for p in rest if p.numel() < _layout.MAX_SEGMENT_NUMEL]
-            loose += [p for p in rest if p.numel() >= _layout.MAX_SEGMENT_NUMEL]
+            small = [p for p in rest if p.numel() < _layout.FLATTEN_MAX_NUMEL]
+            loose += [p for p in rest if p.numel() >= _layout.FLATTEN_MAX_NUMEL]
             if self.do_flatten and len(small) > 1:
                 runs.append(_layout.flatten(small))
             else:

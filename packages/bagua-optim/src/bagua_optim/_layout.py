@@ -22,9 +22,14 @@ _UNSEEN = object()      # a gradient never looked at: fails the identity check
 
 # A segment spans at most this many elements (1 MiB of float32): enough that the per-update
 # overhead no longer matters, small enough that an optimizer's several passes over a segment
-# (and its temporaries) stay in cache as they do per parameter.  A parameter this large is
-# never copied into a flat buffer: it is stepped exactly as without fusing.
+# (and its temporaries) stay in cache as they do per parameter.
 MAX_SEGMENT_NUMEL = 1 << 18
+
+# Parameters of at least this many elements (128 KiB of float32) are not copied into a flat
+# buffer: for them the per-parameter overhead is already smaller than the cost of copying new
+# gradients into flat storage after zero_grad(set_to_none=True), so they are stepped exactly
+# as without fusing.  (Ones already back to back, e.g. in a bucket, are fused whatever size.)
+FLATTEN_MAX_NUMEL = 1 << 15
 
 
 def _span(base: torch.Tensor, start: int, total: int) -> torch.Tensor:
