@@ -27,20 +27,22 @@ def _known_not_elementwise() -> tuple[type, ...]:
 
 def _state_equal(fused: dict, singles: list[dict], shapes) -> str | None:
     if any(st.keys() != fused.keys() for st in singles):
-        return "its state keys differ between one parameter and a flat one"
+        return "its state keys differ between small parameters and a flat one"
     for key, v in fused.items():
         vals = [st[key] for st in singles]
         if isinstance(v, torch.Tensor):
             if v.dim() == 0:
                 if not all(isinstance(x, torch.Tensor) and torch.equal(x, v) for x in vals):
-                    return f"state[{key!r}] differs"
+                    return f"state[{key!r}] of a flat parameter differs from small ones'"
             elif not all(isinstance(x, torch.Tensor) and tuple(x.shape) == s
                          for x, s in zip(vals, shapes)):
                 return f"state[{key!r}] is not shaped like its parameter"
             elif not torch.equal(torch.cat([x.reshape(-1) for x in vals]), v):
-                return f"state[{key!r}] differs"
+                return (f"state[{key!r}] of a flat parameter is not bit-identical to small "
+                        "ones' (rounding that depends on an element's position, as in torch's "
+                        "CPU fused=True kernels, or a reduction over the parameter)")
         elif any(x != v for x in vals):
-            return f"state[{key!r}] differs"
+            return f"state[{key!r}] of a flat parameter differs from small ones'"
     return None
 
 
@@ -82,7 +84,9 @@ def probe(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
                 step(b)
                 got = torch.cat([p.detach().reshape(-1) for p in singles])
                 if not torch.equal(got, flat.detach()):
-                    return "one flat parameter is not updated like several small ones"
+                    return ("a flat parameter is not updated bit-identically to small ones "
+                            "(an update that reads shapes or norms, or rounding that depends on "
+                            "an element's position, as in torch's CPU fused=True kernels)")
                 why = _state_equal(b.state[flat], [a.state[p] for p in singles], shapes)
                 if why:
                     return why
