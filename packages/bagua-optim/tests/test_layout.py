@@ -104,3 +104,27 @@ def test_do_flatten_false_leaves_scattered_parameters_alone():
             opt.step()
         assert_same_params(ma, mb)
     assert [p.data_ptr() for p in mb.parameters()] == before
+
+
+def test_gradients_moved_to_other_flat_storage_are_followed():
+    # Gradients that move, still back to back, into another buffer between steps (as when
+    # a bucket is rebuilt): the fused step must read them from their new place.
+    ma, mb = make_model(), make_model()
+    plain = torch.optim.SGD(ma.parameters(), lr=0.1, momentum=0.9)
+    fused = fuse_optimizer(torch.optim.SGD(mb.parameters(), lr=0.1, momentum=0.9))
+    for s in range(4):
+        for model, opt in ((ma, plain), (mb, fused)):
+            opt.zero_grad()
+            backward(model, s)
+        if s >= 2:
+            params = list(mb.parameters())
+            bucket = torch.cat([p.grad.reshape(-1) for p in params])
+            off = 0
+            for p in params:
+                p.grad = bucket[off:off + p.numel()].view_as(p)
+                off += p.numel()
+        plain.step()
+        fused.step()
+        assert_same_params(ma, mb)
+        if s >= 2:
+            assert fused._bagua_fuse.layouts[0].runs[0].flat_grad.data_ptr() == bucket.data_ptr()

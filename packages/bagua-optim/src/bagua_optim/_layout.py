@@ -112,6 +112,9 @@ class Run:
                 for p, g in zip(self.params, grads):
                     p.grad = g
             flat_grad = self.own_grad
+        if self.flat_grad is None or flat_grad is None \
+                or flat_grad.data_ptr() != self.flat_grad.data_ptr():
+            self.segments = None    # stand-ins hold slices of the old flat gradient
         self.flat_grad = flat_grad
         self.grad_views = grads
         return True
