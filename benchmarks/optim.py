@@ -11,6 +11,7 @@ its flat gradient and re-points them.
 
     python benchmarks/optim.py            # full sizes
     python benchmarks/optim.py --quick    # well under a minute
+    python benchmarks/optim.py --threads 1    # steadier figures on a shared, busy machine
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def small_params(quick: bool) -> list[torch.nn.Parameter]:
 
 
 def large_params(quick: bool) -> list[torch.nn.Parameter]:
-    numel = (1 << 20) if quick else (1 << 22)
+    numel = (1 << 18) if quick else (1 << 22)
     return [torch.nn.Parameter(torch.randn(numel)) for _ in range(10)]
 
 
@@ -115,7 +116,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    reps = 7 if args.quick else 25
+    reps = 5 if args.quick else 25
     models = {"2000 small": small_params, "10 large": large_params,
               "transformer": transformer_params}
     opts = [(torch.optim.SGD, dict(lr=1e-2, momentum=0.9)), (torch.optim.Adam, dict(lr=1e-3))]
