@@ -24,6 +24,22 @@ class ReplacingMomentum(torch.optim.Optimizer):
                 p.add_(st["buf"], alpha=-group["lr"] / float(st["t"]))
 
 
+class LoggingSGD(torch.optim.Optimizer):
+    """Keeps a mutable (list) entry in its state, appended to in place each step."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    st = self.state[p]
+                    st.setdefault("lrs", []).append(group["lr"])
+                    p.add_(p.grad, alpha=-sum(st["lrs"]) / len(st["lrs"]))
+
+
 def _train_pair(make_params, opt_cls, kw, steps=4, **fuse_kw):
     pa, pb = make_params(), make_params()
     plain = opt_cls(pa, **kw)
@@ -59,6 +75,13 @@ def test_mixed_dtypes_noncontiguous_and_frozen_parameters():
 
 def test_optimizer_replacing_its_state_tensors():
     _train_pair(_mixed, ReplacingMomentum, dict(lr=0.1), steps=5)
+
+
+def test_mutable_state_values_are_per_parameter():
+    _, fused = _train_pair(_mixed, LoggingSGD, dict(lr=0.1), steps=3)
+    lists = [st["lrs"] for st in fused.state.values()]
+    assert all(x == [0.1] * 3 for x in lists)
+    assert len({id(x) for x in lists}) == len(lists)
 
 
 def test_do_flatten_false_fused_before_first_backward():

@@ -13,11 +13,14 @@ The members' state is the truth: a segment is rebuilt from it whenever the layou
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 
 from ._layout import MAX_SEGMENT_NUMEL, Run
+
+_IMMUTABLE = (int, float, complex, bool, str, bytes, tuple, frozenset, type(None))
 
 
 class NotElementwiseError(RuntimeError):
@@ -40,7 +43,7 @@ def _signature(state: dict, p: torch.Tensor):
                 hash(v)
                 sig.append((k, "o", type(v), v))
             except TypeError:
-                sig.append((k, "x", id(v)))
+                sig.append((k, "x", type(v), repr(v)))
     return tuple(sorted(sig, key=lambda e: repr(e[0])))
 
 
@@ -102,6 +105,13 @@ class Segment:
         for i, st in enumerate(self.states):
             st[key] = buf[i]
 
+    def _other(self, key, v) -> None:
+        self.others[key] = v
+        # each member gets its own copy of a mutable value, as it would unfused
+        shared = isinstance(v, _IMMUTABLE)
+        for st in self.states:
+            st[key] = v if shared else copy.deepcopy(v)
+
     def sync(self) -> None:
         """Bring the members' state up to date with the stand-in's, after a step."""
         state = self.state
@@ -114,10 +124,8 @@ class Segment:
             buf.copy_(state[key])
         for key, old in self.others.items():
             v = state[key]
-            if v is not old:
-                self.others[key] = v
-                for st in self.states:
-                    st[key] = v
+            if v is not old or not isinstance(v, _IMMUTABLE):    # mutable: may change in place
+                self._other(key, v)
 
     def _rekey(self) -> None:
         known = self.tensors.keys() | self.scalars.keys() | self.others.keys()
@@ -136,9 +144,7 @@ class Segment:
             elif isinstance(v, torch.Tensor):
                 self._scalar(key, v)
             else:
-                self.others[key] = v
-                for st in self.states:
-                    st[key] = v
+                self._other(key, v)
 
 
 def build_segments(run: Run, opt_state) -> tuple[list[Segment], list[torch.Tensor]]:
