@@ -224,3 +224,24 @@ def test_copies_of_a_fused_optimizer_stay_fused(how):
         _step(mc, fc, s)
         assert_same_params(ma, mc)
     assert_same_state(plain.state_dict(), fc.state_dict())
+
+
+def test_step_hooks_see_the_real_parameters_and_fresh_state():
+    ma, plain, mb, fused = _pair(torch.optim.Adam)
+    seen = []
+
+    def post_hook(opt, args, kwargs):
+        params = [p for g in opt.param_groups for p in g["params"]]
+        assert set(map(id, opt.state)) <= set(map(id, params)), "a stand-in leaked"
+        seen.append({k: opt.state[p]["exp_avg"].clone() for k, p in enumerate(params)})
+
+    pre = fused.register_step_pre_hook(lambda opt, a, k: seen.append("pre"))
+    post = fused.register_step_post_hook(post_hook)
+    for s in range(2):
+        _step(ma, plain, s)
+        _step(mb, fused, s)
+    pre.remove()
+    post.remove()
+    assert seen[0] == "pre" and seen[2] == "pre"
+    for k, p in enumerate(ma.parameters()):
+        assert torch.equal(seen[3][k], plain.state[p]["exp_avg"])
