@@ -100,7 +100,7 @@ class Fuser:
                     f"bagua_optim.fuse_optimizer: {type(opt).__name__} param group {index} "
                     f"({dtype}, {device}) is not updated elementwise: {why}. Its parameters "
                     "are stepped one at a time, as without fusing.", RuntimeWarning,
-                    stacklevel=4)
+                    stacklevel=5)
         return self.verdicts[key]
 
     def reset_segments(self) -> None:

@@ -137,7 +137,7 @@ class Run:
         start, rem = divmod(base - storage.data_ptr(), size)
         if rem or start < 0 or (start + self.flat.numel()) * size > storage.nbytes():
             return None
-        return present[0].new_empty(0).set_(storage, start, (self.flat.numel(),), (1,))
+        return _span(present[0], start, self.flat.numel())
 
 
 def flatten(params: list[torch.Tensor]) -> Run:
