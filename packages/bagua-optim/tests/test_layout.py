@@ -151,3 +151,39 @@ def test_gradients_moved_to_other_flat_storage_are_followed():
         assert_same_params(ma, mb)
         if s >= 2:
             assert fused._bagua_fuse.layouts[0].runs[0].flat_grad.data_ptr() == bucket.data_ptr()
+
+
+def test_buckets_made_after_fusing_are_adopted_not_moved():
+    # As bagua-algos does after fuse_optimizer: parameters and gradients are re-pointed into
+    # the buckets' flat storage. The fused optimizer must follow them there, not copy back.
+    ma, mb = make_model(), make_model()
+    plain = torch.optim.Adam(ma.parameters(), lr=1e-2)
+    fused = fuse_optimizer(torch.optim.Adam(mb.parameters(), lr=1e-2))
+    for s in range(2):
+        for model, opt in ((ma, plain), (mb, fused)):
+            opt.zero_grad()
+            backward(model, s)
+            opt.step()
+    params = list(mb.parameters())[::-1]        # buckets in another order
+    bucket = torch.cat([p.detach().reshape(-1) for p in params])
+    bucket_grad = torch.zeros_like(bucket)
+    off = 0
+    for p in params:
+        n = p.numel()
+        p.data = bucket[off:off + n].view_as(p)
+        p.grad = bucket_grad[off:off + n].view_as(p)
+        off += n
+    views = [p.grad for p in params]
+    for s in range(2, 5):
+        plain.zero_grad()
+        backward(ma, s)
+        plain.step()
+        fused.zero_grad(set_to_none=False)
+        backward(mb, s)
+        fused.step()
+        assert_same_params(ma, mb)
+    assert all(p.untyped_storage().data_ptr() == bucket.untyped_storage().data_ptr()
+               for p in params)
+    assert all(p.grad is v for p, v in zip(params, views))
+    assert [len(r.params) for r in fused._bagua_fuse.layouts[0].runs] == [len(params)]
+    assert_same_state(plain.state_dict(), fused.state_dict())

@@ -135,8 +135,8 @@ class Fuser:
     def _group_params(self, opt, index: int, segs: list[Segment]) -> list:
         lay = self.layouts[index]
         if self.check_flatten and not all(run.params_in_place() for run in lay.runs):
-            # Something replaced a parameter's storage (p.data = ..., module.to(...)):
-            # copy the current values into fresh flat storage again.
+            # Something replaced a parameter's storage (p.data = ..., module.to(...), a
+            # bucket): lay the group out again, adopting what now lies back to back.
             lay = self.layouts[index] = self._layout_group(opt, index)
         params = list(lay.loose)
         for run in lay.runs:
