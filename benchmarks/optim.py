@@ -91,8 +91,9 @@ def time_steps(opts, reps: int, before=None) -> list[float]:
         for opt in opts:
             opt.step()
     samples = [[] for _ in opts]
-    for _ in range(reps):
-        for opt, out in zip(opts, samples):
+    for rep in range(reps):
+        order = list(zip(opts, samples))
+        for opt, out in order if rep % 2 else order[::-1]:     # neither always goes first
             if before is not None:
                 before(opt)
             t0 = time.perf_counter()
