@@ -9,7 +9,8 @@
    the others.
 2. MinMaxUInt8 on one thread: compress and decompress throughput (GB/s of float32 data) of
    the Cython kernels against the same computation written with torch ops (same bytes,
-   checked), and against a plain copy of the same bytes (``Tensor.copy_``, the memory limit).
+   checked), and against a plain copy of the same bytes (the faster of ``Tensor.copy_`` and
+   ``numpy.copyto``: the memory limit).
 
     python benchmarks/comm.py            # 4 KiB .. 64 MiB, 64 MiB compression input
     python benchmarks/comm.py --quick    # well under a minute
@@ -57,8 +58,39 @@ def _time(fn, iters):
     return (time.perf_counter() - start) / iters
 
 
+def _overhead(rounds):
+    """Per-call cost on this rank's own one-rank group (no network: what remains is the
+    software path), ours vs torch's, for each primitive at 4 KiB."""
+    singles = [bc.new_group([r]) for r in range(bc.get_world_size())]
+    g = singles[bc.get_rank()]
+    t = torch.ones(1024)
+    out = torch.empty(1024)
+    pairs = {
+        "allreduce": (lambda: bc.allreduce_inplace(t, group=g),
+                      lambda: dist.all_reduce(t, group=g.torch_group)),
+        "allgather": (lambda: bc.allgather(t, out, group=g),
+                      lambda: _gather(out, t, group=g.torch_group)),
+        "reduce_scatter": (lambda: bc.reduce_scatter(t, out, group=g),
+                           lambda: _rscatter(out, t, group=g.torch_group)),
+        "alltoall": (lambda: bc.alltoall(t, out, group=g),
+                     lambda: dist.all_to_all_single(out, t, group=g.torch_group)),
+    }
+    res = {}
+    for name, (ours, theirs) in pairs.items():
+        t_o, t_t = [], []
+        for _ in range(rounds):
+            for fn, acc in ((ours, t_o), (theirs, t_t)):
+                start = time.perf_counter()
+                for _ in range(300):
+                    fn()
+                acc.append((time.perf_counter() - start) / 300)
+        res[name] = (statistics.median(t_o), statistics.median(t_t))
+    return res
+
+
 def _collectives(sizes, rounds, budget_bytes):
     world = bc.get_world_size()
+    overhead = _overhead(rounds)
     rows = []
     for name in PRIMITIVES:
         for nbytes in sizes:
@@ -71,7 +103,7 @@ def _collectives(sizes, rounds, budget_bytes):
                 for fn, acc in (pair if r % 2 == 0 else pair[::-1]):
                     acc.append(_time(fn, iters))
             rows.append((name, nbytes, statistics.median(t_ours), statistics.median(t_theirs)))
-    return rows
+    return rows, overhead
 
 
 def _fmt_size(n):
@@ -79,6 +111,13 @@ def _fmt_size(n):
         if n >= div:
             return f"{n // div} {unit}"
     return f"{n} B"
+
+
+def print_overhead(overhead):
+    print("\n# Software overhead per call: one-rank group, 4 KiB, in-process (no network)")
+    for name, (t_o, t_t) in overhead.items():
+        print(f"{name:<15} ours {t_o * 1e6:7.1f} us   torch {t_t * 1e6:7.1f} us   "
+              f"difference {(t_o - t_t) * 1e6:+6.1f} us")
 
 
 def print_collectives(rows, world):
@@ -130,16 +169,20 @@ def torch_decompress(payload, out, chunks):
     return out
 
 
-def _best(fn, reps):
-    times = []
+def _interleaved(fns, reps):
+    """Median time of each callable, measured round-robin so load changes hit all alike."""
+    times = {k: [] for k in fns}
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for k, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def compression(nbytes, chunks, reps):
+    import numpy as np
+
     torch.set_num_threads(1)
     x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(0))
     c = MinMaxUInt8(chunks)
@@ -148,20 +191,23 @@ def compression(nbytes, chunks, reps):
     buf = torch.empty_like(payload)
     out, copy_dst = torch.empty_like(x), torch.empty_like(x)
     copy_dst.copy_(x), out.zero_()  # touch every page first
-    t = {
-        "compress (ours)": _best(lambda: c.compress(x), reps),
-        "compress (ours, out=)": _best(lambda: c.compress(x, out=buf), reps),
-        "compress (torch ops)": _best(lambda: torch_compress(x, chunks), reps),
-        "decompress (ours)": _best(lambda: c.decompress(payload, out), reps),
-        "decompress (torch ops)": _best(lambda: torch_decompress(payload, out, chunks), reps),
-        "memcpy (Tensor.copy_)": _best(lambda: copy_dst.copy_(x), reps),
-    }
+    xn, dn = x.numpy(), copy_dst.numpy()
+    t = _interleaved({
+        "compress (ours)": lambda: c.compress(x),
+        "compress (ours, out=)": lambda: c.compress(x, out=buf),
+        "compress (torch ops)": lambda: torch_compress(x, chunks),
+        "decompress (ours)": lambda: c.decompress(payload, out),
+        "decompress (torch ops)": lambda: torch_decompress(payload, out, chunks),
+        "copy (Tensor.copy_)": lambda: copy_dst.copy_(x),
+        "copy (numpy.copyto)": lambda: np.copyto(dn, xn),
+    }, reps)
     gbs = {k: nbytes / v / 1e9 for k, v in t.items()}
     print(f"\n# MinMaxUInt8, one thread, {_fmt_size(nbytes)} of float32 in {chunks} chunks "
-          f"(identical bytes to the torch-ops version: {'yes' if same else 'NO'})")
+          f"(identical bytes to the torch-ops version: {'yes' if same else 'NO'}); "
+          f"medians of {reps} interleaved rounds")
     for k, v in gbs.items():
         print(f"{k:<26}{v:>8.2f} GB/s")
-    mc = gbs["memcpy (Tensor.copy_)"]
+    mc = max(gbs["copy (Tensor.copy_)"], gbs["copy (numpy.copyto)"])  # the faster copy
     print(f"compress: ours / torch ops = {gbs['compress (ours)'] / gbs['compress (torch ops)']:.2f}x"
           f" (target >= 3); ours / memcpy = {gbs['compress (ours)'] / mc:.0%} (target >= 30%)"
           f"; with out=: {gbs['compress (ours, out=)'] / mc:.0%}")
@@ -177,12 +223,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20]
-        rounds, budget, comp_bytes, reps = 5, 8 << 20, 16 << 20, 3
+        rounds, budget, comp_bytes, reps = 5, 8 << 20, 16 << 20, 5
     else:
         sizes = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB .. 64 MiB
-        rounds, budget, comp_bytes, reps = 9, 64 << 20, 64 << 20, 7
-    rows = run_ranks(_collectives, args.world, args=(sizes, rounds, budget), timeout=1800)[0]
+        rounds, budget, comp_bytes, reps = 9, 64 << 20, 64 << 20, 11
+    rows, overhead = run_ranks(_collectives, args.world, args=(sizes, rounds, budget),
+                               timeout=1800)[0]
     print_collectives(rows, args.world)
+    print_overhead(overhead)
     compression(comp_bytes, chunks=args.world * 4, reps=reps)
 
 

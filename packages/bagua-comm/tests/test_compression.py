@@ -24,6 +24,9 @@ def _inputs(dtype):
         ("constant and signed zeros", edge, 2),
         ("large magnitudes", torch.randn(256, generator=g) * 1e4 + 3e4, 2),
         ("negative only", -torch.rand(320, generator=g) - 1, 5),
+        # |upper| just under and over 2**22, where the kernel switches rounding paths
+        ("near the fast-path bound", torch.rand(512, generator=g) + 16000, 2),
+        ("just past the bound", torch.rand(512, generator=g) * 0.5 + 16440, 2),
     ]
     return [(name, x.to(dtype), chunks) for name, x, chunks in cases]
 

@@ -80,44 +80,46 @@ def test_communicator_without_a_gpu_raises_ncclerror_with_nccls_detail():
     assert pickle.loads(pickle.dumps(err)).status == err.status
 
 
-_INIT = ("import warnings, tempfile, os, torch.distributed as dist, bagua_comm as bc\n"
-         "{patch}"
-         "s = dist.FileStore(os.path.join(tempfile.mkdtemp(), 's'), 1)\n"
-         "with warnings.catch_warnings(record=True) as w:\n"
-         "    warnings.simplefilter('always')\n"
-         "    bc.init_process_group({backend!r}, store=s, rank=0, world_size=1)\n"
-         "print(bc.get_backend())\n"
-         "print('|'.join(str(x.message) for x in w if 'nccl' in str(x.message)))\n"
-         "t = __import__('torch').ones(2); bc.allreduce_inplace(t); print(t.tolist())\n")
+_SCENARIOS = r"""
+import json, os, tempfile, warnings
+import torch, torch.distributed as dist, bagua_comm as bc, bagua_comm._nccl_loader as L
+
+def init(backend, env=None):
+    os.environ.pop("BAGUA_COMM_BACKEND", None)
+    os.environ.update(env or {})
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        bc.init_process_group(backend, store=store, rank=0, world_size=1)
+    t = torch.ones(2)
+    bc.allreduce_inplace(t)
+    out = [bc.get_backend(), " | ".join(str(x.message) for x in w if "nccl" in str(x.message)),
+           t.tolist()]
+    bc.destroy_process_group()
+    return out
+
+res = {"nccl": init("nccl"), "auto": init("auto"),
+       "env gloo": init("auto", {"BAGUA_COMM_BACKEND": "gloo"})}
+torch.cuda.is_available = lambda: True          # a GPU machine without libnccl
+L.candidates = lambda: [("system", "libnccl-missing.so.2")]
+res["cuda, no libnccl"] = init("auto")
+print(json.dumps(res))
+"""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
-def test_nccl_requested_without_cuda_falls_back_to_gloo_with_a_warning():
-    out = _run(_INIT.format(patch="", backend="nccl")).stdout.splitlines()
-    assert out[0] == "gloo"
-    assert "falling back to gloo" in out[1] and "pip install" in out[1]
-    assert out[2] == "[1.0, 1.0]"
+def test_backend_selection_and_fallback_to_gloo():
+    import json
 
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
-def test_auto_without_cuda_is_gloo_silently():
-    out = _run(_INIT.format(patch="", backend="auto")).stdout.splitlines()
-    assert out[0] == "gloo" and out[1] == ""
-
-
-def test_auto_with_cuda_but_no_libnccl_warns_with_the_pip_command():
-    patch = ("import torch, bagua_comm._nccl_loader as L\n"
-             "torch.cuda.is_available = lambda: True\n"
-             "L.candidates = lambda: [('system', 'libnccl-missing.so.2')]\n")
-    out = _run(_INIT.format(patch=patch, backend="auto")).stdout.splitlines()
-    assert out[0] == "gloo"
-    assert "libnccl was not found" in out[1]
-    assert "pip install 'bagua-comm[cu12]'" in out[1] and "nvidia-nccl-cu12" in out[1]
-
-
-def test_env_override_selects_gloo():
-    out = _run(_INIT.format(patch="", backend="auto"), BAGUA_COMM_BACKEND="gloo").stdout
-    assert out.splitlines()[0] == "gloo"
+    res = json.loads(_run(_SCENARIOS).stdout)
+    backend, warning, result = res["nccl"]  # asked for nccl on a CPU machine
+    assert backend == "gloo" and result == [1.0, 1.0]
+    assert "falling back to gloo" in warning and "pip install" in warning
+    assert res["auto"] == ["gloo", "", [1.0, 1.0]]  # the normal CPU case: no warning
+    assert res["env gloo"] == ["gloo", "", [1.0, 1.0]]
+    backend, warning, _ = res["cuda, no libnccl"]
+    assert backend == "gloo" and "libnccl was not found" in warning
+    assert "pip install 'bagua-comm[cu12]'" in warning and "nvidia-nccl-cu12" in warning
 
 
 def test_gpu_modules_import_no_cuda_library():

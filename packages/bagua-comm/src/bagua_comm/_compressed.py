@@ -23,7 +23,7 @@ import torch.distributed as dist
 from . import _validate as V
 from . import traffic
 from .compression import MinMaxUInt8
-from .ops import ReduceOp
+from .ops import ReduceOp, reduce_rows
 from .work import finish
 
 # Newer torch renamed all_gather_into_tensor (now deprecated) to all_gather_single.
@@ -93,6 +93,19 @@ def compressed_allreduce(send, recv, op=ReduceOp.AVG, compressor=None, *, key="a
     return finish([_FutureHandle(fut)], async_op=async_op)
 
 
+def _scratch(g, tag, numel, dtype):
+    """A reusable buffer of the group's worker thread (fresh large allocations cost a page
+    fault per 4 KiB on every call; these are reused by the next call of the same size)."""
+    cache = g._scratch
+    k = (tag, numel, dtype)
+    buf = cache.get(k)
+    if buf is None:
+        if len(cache) >= 32:  # many distinct sizes: start over rather than grow
+            cache.clear()
+        buf = cache[k] = torch.empty(numel, dtype=dtype)
+    return buf
+
+
 def _run(g, send, recv, op, compressor, k, seg, key):
     n = g.size
     chunks = n * k
@@ -101,30 +114,26 @@ def _run(g, send, recv, op, compressor, k, seg, key):
     x = send.detach().view(-1)
     if padded != numel:
         x = torch.cat([x, x.new_zeros(padded - numel)])
+    ours = isinstance(compressor, MinMaxUInt8)  # other compressors may not take out=
     # 1. scatter: my records for rank j go to rank j
-    payload = compressor.compress(x, chunks=chunks, key=f"{key}/scatter")
-    received = torch.empty_like(payload)
+    size = compressor.payload_numel(padded, chunks=chunks)
+    payload = compressor.compress(x, chunks=chunks, key=f"{key}/scatter",
+                                  **({"out": _scratch(g, "payload", size, torch.uint8)}
+                                     if ours else {}))
+    received = _scratch(g, "received", payload.numel(), torch.uint8)
     dist.all_to_all_single(received, payload, group=g.aux_torch_group)
     # 2. reduce my segment in float32
-    parts = torch.empty(padded, dtype=torch.float32)
+    parts = _scratch(g, "parts", padded, torch.float32)
     compressor.decompress(received, parts, chunks=chunks, dtype=send.dtype)
-    parts = parts.view(n, seg)
-    if op is ReduceOp.MIN:
-        mine = parts.amin(0)
-    elif op is ReduceOp.MAX:
-        mine = parts.amax(0)
-    else:
-        mine = parts.sum(0)
-        if op is ReduceOp.AVG:
-            mine.div_(n)
+    mine = reduce_rows(parts.view(n, seg), op)
     # 3. gather: every rank's re-compressed segment
     own = compressor.compress(mine.to(send.dtype), chunks=k, key=f"{key}/gather")
-    gathered = torch.empty(n * own.numel(), dtype=torch.uint8)
+    gathered = _scratch(g, "gathered", n * own.numel(), torch.uint8)
     _all_gather_single(gathered, own, group=g.aux_torch_group)
     # 4. decode everything
     out = recv.detach().view(-1)
     if padded != numel:
-        full = torch.empty(padded, dtype=recv.dtype)
+        full = _scratch(g, "full", padded, recv.dtype)
         compressor.decompress(gathered, full, chunks=chunks)
         out.copy_(full[:numel])
     else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import ReduceOp
+from .ops import ReduceOp, reduce_rows
 from .work import finish
 
 NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
@@ -248,15 +248,7 @@ def compressed_allreduce(send_, recv_, op, compressor, k, seg, key, g, async_op)
         _p2p(L, [(j, p[j]) for j in range(n)], [(j, q[j]) for j in range(n)])
         parts = torch.empty(padded, dtype=torch.float32, device=x.device)
         compressor.decompress(received, parts, chunks=chunks, dtype=send_.dtype)
-        parts = parts.view(n, seg)
-        if op is ReduceOp.MIN:
-            mine = parts.amin(0)
-        elif op is ReduceOp.MAX:
-            mine = parts.amax(0)
-        else:
-            mine = parts.sum(0)
-            if op is ReduceOp.AVG:
-                mine.div_(n)
+        mine = reduce_rows(parts.view(n, seg), op)
         own = compressor.compress(mine.to(send_.dtype), chunks=k, key=f"{key}/gather")
         gathered = torch.empty(n * own.numel(), dtype=torch.uint8, device=x.device)
         L.comm.allgather(own.data_ptr(), gathered.data_ptr(), own.numel(), NCCL_DTYPES[torch.uint8],

@@ -33,3 +33,14 @@ def to_torch(op: ReduceOp):
     """torch.distributed's op; AVG maps to SUM (the caller divides afterwards)."""
     op = ReduceOp(op)
     return dist.ReduceOp.SUM if op is ReduceOp.AVG else _TORCH[op]
+
+
+def reduce_rows(rows, op: ReduceOp):
+    """Reduce a (ranks, n) float tensor over its first dimension (SUM, AVG, MIN or MAX)."""
+    op = ReduceOp(op)
+    if op is ReduceOp.MIN:
+        return rows.amin(0)
+    if op is ReduceOp.MAX:
+        return rows.amax(0)
+    out = rows.sum(0)
+    return out.div_(rows.shape[0]) if op is ReduceOp.AVG else out

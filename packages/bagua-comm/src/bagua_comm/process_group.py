@@ -41,6 +41,7 @@ class ProcessGroup:
         self._nccl_comm = None
         self._executor: ThreadPoolExecutor | None = None
         self._nccl_stream = None
+        self._scratch: dict = {}  # reusable buffers of the worker thread (compressed_allreduce)
         self._id = len(_state.groups)  # same on every rank: groups are created collectively
         _state.groups.append(self)
 

@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""bagua-algos against PyTorch DDP (gloo) on 2 ranks over loopback, in the same run.
+
+    python benchmarks/algos.py            # ~3M-parameter MLP
+    python benchmarks/algos.py --quick    # small model, a few steps (well under a minute)
+
+Prints, for ``with_bagua(GradientAllReduce())`` and ``DistributedDataParallel``, the median
+step time (forward + backward + optimizer step, measured in alternating rounds so both see
+the same machine load) and their ratio; then, for every algorithm, the bytes each rank sends
+per step as counted by bagua_comm.traffic, against DDP's (counted by a DDP comm hook that
+records its buckets with the same ring-allreduce formula the comm layer uses).
+
+By default each rank is its own node (``--local-world-size 1``), so hierarchical defaults
+(ByteGrad, Decentralized, LowPrecisionDecentralized, QAdam) take their inter-node path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+ALGORITHMS = ["gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized",
+              "async", "qadam"]
+
+
+def _model(width: int, depth: int, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers, d = [], 256
+    for _ in range(depth):
+        layers += [torch.nn.Linear(d, width), torch.nn.ReLU()]
+        d = width
+    layers.append(torch.nn.Linear(d, 10))
+    return torch.nn.Sequential(*layers)
+
+
+def _data(batch: int, rank: int):
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(batch, 256, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def _step(model, opt, x, y):
+    t0 = time.perf_counter()
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    return time.perf_counter() - t0
+
+
+def _algorithm(name, opt):
+    from bagua_algos import Algorithm, QAdam
+
+    if name == "qadam":
+        return QAdam(opt)
+    if name == "async":
+        return Algorithm.init("async", sync_interval_ms=50)
+    return Algorithm.init(name)
+
+
+def _optimizer(name, model):
+    from bagua_algos import QAdamOptimizer
+
+    if name == "qadam":
+        return QAdamOptimizer(model.parameters(), lr=1e-3, warmup_steps=2)
+    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+
+def _rank_main(width, depth, batch, steps, rounds, warmup, algorithms):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import bagua_comm as bc
+    from bagua_algos import GradientAllReduce, with_bagua
+
+    rank = bc.get_rank()
+    x, y = _data(batch, rank)
+    out = {"params": sum(p.numel() for p in _model(width, depth).parameters())}
+
+    # -- step time: DDP and GradientAllReduce in alternating rounds --------------------------
+    ddp_model = _model(width, depth)
+    ddp = DistributedDataParallel(ddp_model, process_group=dist.group.WORLD)
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
+    bg_model = _model(width, depth)
+    bg_opt = torch.optim.SGD(bg_model.parameters(), lr=1e-3, momentum=0.9)
+    bg = with_bagua(bg_model, [bg_opt], GradientAllReduce())
+    for _ in range(warmup):
+        _step(ddp, ddp_opt, x, y)
+        _step(bg, bg_opt, x, y)
+    times = {"ddp": [], "bagua": []}
+    for _ in range(rounds):
+        bc.barrier()
+        times["ddp"] += [_step(ddp, ddp_opt, x, y) for _ in range(steps)]
+        bc.barrier()
+        times["bagua"] += [_step(bg, bg_opt, x, y) for _ in range(steps)]
+    out["time"] = {k: statistics.median(v) for k, v in times.items()}
+    bg.detach_algorithm()
+
+    # -- DDP's bytes per step, through a counting comm hook ------------------------------------
+    counted = []
+
+    def counting_allreduce(state, bucket):
+        buf = bucket.buffer()
+        n = dist.get_world_size()
+        counted.append(2 * buf.numel() * buf.element_size() * (n - 1) / n)
+        fut = dist.all_reduce(buf.div_(n), async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    hooked = DistributedDataParallel(_model(width, depth), process_group=dist.group.WORLD)
+    hooked.register_comm_hook(None, counting_allreduce)
+    hooked_opt = torch.optim.SGD(hooked.parameters(), lr=1e-3)
+    for _ in range(steps):
+        _step(hooked, hooked_opt, x, y)
+    out["bytes"] = {"ddp": sum(counted) / steps}
+
+    # -- every algorithm's bytes per step, from bagua_comm.traffic -------------------------------
+    for name in algorithms:
+        model = _model(width, depth)
+        opt = _optimizer(name, model)
+        wrapped = with_bagua(model, [opt], _algorithm(name, opt))
+        for _ in range(3):                              # past warmups (QAdam: 2 steps)
+            _step(wrapped, opt, x, y)
+        bc.barrier()
+        bc.traffic.reset()
+        step_times = [_step(wrapped, opt, x, y) for _ in range(steps)]
+        if name == "async":
+            wrapped.abort()
+        out["bytes"][name] = bc.traffic.bytes_sent() / steps
+        out.setdefault("step", {})[name] = statistics.median(step_times)
+        wrapped.detach_algorithm()
+        bc.barrier()
+    return out
+
+
+def main(argv=None):
+    from bagua_comm.testing import run_ranks
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small model, few steps")
+    ap.add_argument("--width", type=int, default=None)
+    ap.add_argument("--depth", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per round")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--local-world-size", type=int, default=1,
+                    help="ranks per emulated node (1: each rank is a node)")
+    ap.add_argument("--algorithms", default=",".join(ALGORITHMS),
+                    help="comma-separated registry names to count bytes for")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = ap.parse_args(argv)
+    width = args.width or (512 if args.quick else 1024)
+    depth = args.depth or (2 if args.quick else 3)
+    steps = args.steps or (8 if args.quick else 20)
+    rounds = args.rounds or (2 if args.quick else 5)
+    algorithms = [a for a in args.algorithms.split(",") if a]
+    unknown = sorted(set(algorithms) - set(ALGORITHMS))
+    if unknown:
+        ap.error(f"unknown algorithms {unknown}; choose from {ALGORITHMS}")
+    res = run_ranks(_rank_main, 2,
+                    args=(width, depth, args.batch, steps, rounds, 2, algorithms),
+                    local_world_size=args.local_world_size, threads=args.threads, timeout=900)
+    r0 = res[0]
+    print(f"model: MLP {depth}x{width} ({r0['params'] / 1e6:.2f} M params, "
+          f"{r0['params'] * 4 / 2**20:.1f} MiB fp32), batch {args.batch}/rank, 2 ranks, "
+          f"gloo over loopback, local_world_size={args.local_world_size}")
+    t_ddp = statistics.mean(r["time"]["ddp"] for r in res)
+    t_bg = statistics.mean(r["time"]["bagua"] for r in res)
+    print("\nstep time (median over rounds, mean over ranks)")
+    print(f"  DDP (gloo)                      {t_ddp * 1e3:8.2f} ms")
+    print(f"  with_bagua(GradientAllReduce()) {t_bg * 1e3:8.2f} ms")
+    print(f"  ratio bagua / DDP               {t_bg / t_ddp:8.3f}   (target <= 1.05)")
+    ddp_bytes = r0["bytes"]["ddp"]
+    print("\nbytes sent per rank per step (rank 0)")
+    print(f"  {'algorithm':30s} {'bytes/step':>14s} {'x DDP':>8s} {'step ms':>9s}")
+    print(f"  {'DDP (gloo)':30s} {ddp_bytes:14,.0f} {1.0:8.3f} {t_ddp * 1e3:9.2f}")
+    for name in algorithms:
+        b = r0["bytes"][name]
+        t = statistics.mean(r["step"][name] for r in res)
+        note = "   (time-based: sync every 50 ms)" if name == "async" else ""
+        print(f"  {name:30s} {b:14,.0f} {b / ddp_bytes:8.3f} {t * 1e3:9.2f}{note}")
+    print("  (step ms in this table: one round of steps per algorithm, noisier than above)")
+    print("\ntargets: bytegrad and low_precision_decentralized <= 0.3 x DDP")
+
+
+if __name__ == "__main__":
+    main()

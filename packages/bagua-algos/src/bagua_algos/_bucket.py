@@ -1,0 +1,148 @@
+"""Buckets: a group of parameters whose gradients (and, if asked, weights) live in one flat,
+padded buffer, so that one collective moves them all."""
+
+from __future__ import annotations
+
+import torch
+
+from bagua_comm.bucket import Bucket
+
+
+def _same_storage(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    return a is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+
+class BaguaBucket:
+    """Parameters of one dtype and device, with flat ``grad`` (and ``weight``) buffers.
+
+    ``grad`` (and ``weight``) are 1-D buffers of ``padded_numel`` elements (a multiple of the
+    algorithm's alignment; the padding stays zero).  With ``flatten=True`` every parameter's
+    ``.grad`` (and, with ``flatten_weights=True``, its data) is a view of the buffer, so
+    communication reads and writes them in place; otherwise values are staged through the
+    buffer by :meth:`gather_grads`/:meth:`scatter_grads` (and the weight counterparts).
+    """
+
+    def __init__(self, index: int, params: list[torch.nn.Parameter], *, alignment: int = 1,
+                 flatten: bool = True, flatten_weights: bool = False):
+        if not params:
+            raise ValueError("a bucket needs at least one parameter")
+        dtypes = {p.dtype for p in params}
+        devices = {p.device for p in params}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(f"a bucket holds one dtype and device, got {dtypes} on {devices}")
+        if alignment < 1:
+            raise ValueError(f"alignment must be >= 1, got {alignment}")
+        self.index = index
+        self.name = f"bucket{index}"
+        self.params = list(params)
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self.flatten = flatten
+        self.numel = sum(p.numel() for p in params)
+        self.padded_numel = -(-self.numel // alignment) * alignment
+        self.offsets = []
+        off = 0
+        for p in params:
+            self.offsets.append(off)
+            off += p.numel()
+        # gradient slots: zero tensors shaped like the parameters, flattened by bagua_comm
+        self._grads = Bucket([torch.zeros_like(p, memory_format=torch.contiguous_format)
+                              for p in params], alignment=alignment, name=f"{self.name}.grad")
+        self.grad = self._grads.buffer
+        self._grad_views = self._grads.tensors
+        self.weight: torch.Tensor | None = None
+        self._weight_views: list[torch.Tensor] = []
+        self._alignment = alignment
+        if flatten_weights:
+            self._init_weights()
+
+    def _views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        return [buf[o:o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params)]
+
+    def _init_weights(self) -> None:
+        if self.flatten:   # the parameters themselves become views of the weight buffer
+            self._weights = Bucket(self.params, alignment=self._alignment,
+                                   name=f"{self.name}.weight")
+            self.weight = self._weights.buffer
+            self._weight_views = [self._weights.slice(i).view(p.shape)
+                                  for i, p in enumerate(self.params)]
+            return
+        self._ensure_weight()
+        self.gather_weights()
+
+    @property
+    def nbytes(self) -> int:
+        return self.padded_numel * self.grad.element_size()
+
+    # -- gradients ----------------------------------------------------------------------------
+    def gather_grads(self) -> None:
+        """Make ``grad`` hold every parameter's current gradient (missing ones count as 0)."""
+        with torch.no_grad():
+            for p, v in zip(self.params, self._grad_views):
+                g = p.grad
+                if self.flatten:
+                    if g is None:
+                        v.zero_()
+                        p.grad = v
+                    elif not _same_storage(g, v):
+                        v.copy_(g)
+                        p.grad = v
+                elif g is None:
+                    v.zero_()
+                else:
+                    v.copy_(g)
+
+    def scatter_grads(self) -> None:
+        """Make every parameter's gradient equal its slice of ``grad``."""
+        if self.flatten:
+            return
+        with torch.no_grad():
+            for p, v in zip(self.params, self._grad_views):
+                if p.grad is None:
+                    p.grad = v.clone()
+                else:
+                    p.grad.copy_(v)
+
+    # -- weights ------------------------------------------------------------------------------
+    def _ensure_weight(self) -> torch.Tensor:
+        if self.weight is None:
+            self.weight = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+            self._weight_views = self._views(self.weight)
+        return self.weight
+
+    def gather_weights(self) -> torch.Tensor:
+        """Return the flat weight buffer holding the current parameter values."""
+        self._ensure_weight()
+        with torch.no_grad():
+            for p, v in zip(self.params, self._weight_views):
+                if not _same_storage(p.data, v):
+                    v.copy_(p)
+        return self.weight
+
+    def scatter_weights(self) -> None:
+        """Write the flat weight buffer back into the parameters (no-op when they are views)."""
+        with torch.no_grad():
+            for p, v in zip(self.params, self._weight_views):
+                if not _same_storage(p.data, v):
+                    p.copy_(v)
+
+    def weight_views(self) -> list[torch.Tensor]:
+        self._ensure_weight()
+        return list(self._weight_views)
+
+    def grad_views(self) -> list[torch.Tensor]:
+        return list(self._grad_views)
+
+    def check_flat(self, grads: bool = True) -> bool:
+        """True when every gradient is a view of ``grad`` (unless ``grads=False``) and, where
+        a weight buffer exists, every parameter a view of ``weight``."""
+        ok = not grads or all(_same_storage(p.grad, v)
+                              for p, v in zip(self.params, self._grad_views))
+        if self.weight is not None:
+            ok = ok and all(_same_storage(p.data, v)
+                            for p, v in zip(self.params, self._weight_views))
+        return ok
+
+    def __repr__(self) -> str:
+        return (f"BaguaBucket({self.name}, {len(self.params)} tensors, {self.numel} x "
+                f"{self.dtype}, padded to {self.padded_numel})")

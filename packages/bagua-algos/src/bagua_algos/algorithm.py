@@ -1,0 +1,166 @@
+"""The algorithm framework: a declaration (:class:`Algorithm`) reified per model into an
+implementation holding state (:class:`AlgorithmImpl`), with Bagua's phases.
+
+Phases, in the order :func:`~bagua_algos.with_bagua` drives them:
+
+1. ``init_tensors(module)``: the parameters the algorithm communicates about.
+2. ``tensors_to_buckets(tensors, bucket_size)``: group them into buckets.
+3. ``init_operations(module, buckets)``: allocate per-bucket state (buffers, compressors).
+4. ``forward_pre_hook(module)``: before every training forward.
+5. ``bucket_ready_hook(module, bucket)``: in backward, once the bucket's last gradient has been
+   accumulated; returns a handle with ``wait()`` (or ``None``) so communication overlaps the
+   rest of backward.
+6. ``post_backward_hook(module)``: at the end of backward, after every bucket's handle was
+   waited.
+7. ``post_optimizer_step_hook(module, optimizer)``: after each ``optimizer.step()``.
+
+``state_dict()``/``load_state_dict()`` carry the algorithm's own state (residuals, peer
+replicas, counters) inside the optimizer checkpoint, so a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+import bagua_comm as bc
+
+if TYPE_CHECKING:
+    from ._bucket import BaguaBucket
+    from .module import BaguaModule
+
+_REGISTRY: dict[str, type[Algorithm]] = {}
+FIRST_BUCKET_SIZE = 1024 * 1024
+
+
+class Algorithm:
+    """A communication algorithm's declaration: validated constructor arguments only.
+
+    Subclasses register under a name with ``class MyAlgo(Algorithm, name="my_algo")`` and
+    implement :meth:`reify`, returning a fresh :class:`AlgorithmImpl` for one model.
+    """
+
+    name: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, name: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            if name in _REGISTRY and _REGISTRY[name] is not cls:
+                raise ValueError(f"an algorithm named {name!r} is already registered "
+                                 f"({_REGISTRY[name].__qualname__})")
+            cls.name = name
+            _REGISTRY[name] = cls
+
+    @classmethod
+    def init(cls, name: str, **kwargs) -> Algorithm:
+        """Build a registered algorithm by name, e.g. ``Algorithm.init("bytegrad")``."""
+        if name not in _REGISTRY:
+            raise ValueError(f"unknown algorithm {name!r}; registered: {sorted(_REGISTRY)}")
+        algo_cls = _REGISTRY[name]
+        try:
+            inspect.signature(algo_cls).bind(**kwargs)
+        except TypeError as err:
+            raise ValueError(f"bad arguments for algorithm {name!r}: {err}; its signature is "
+                             f"{name}{inspect.signature(algo_cls)}") from err
+        return algo_cls(**kwargs)
+
+    @staticmethod
+    def registered() -> list[str]:
+        """Names accepted by :meth:`init`."""
+        return sorted(_REGISTRY)
+
+    def reify(self, group: bc.ProcessGroup) -> AlgorithmImpl:
+        """Create the per-model implementation communicating over ``group``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement reify(group)")
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({args})"
+
+
+class AlgorithmImpl:
+    """Per-model state and hooks of an algorithm (override the phases you need).
+
+    Class attributes tune the framework: ``bucket_alignment(group)`` pads every bucket to a
+    multiple (compressors split buckets into per-rank chunks); ``flatten_weights = True``
+    makes parameters views of one flat weight buffer per bucket (for algorithms that
+    communicate weights); ``uses_grad_buckets = False`` skips gradient buckets altogether.
+    """
+
+    flatten_weights: ClassVar[bool] = False
+    uses_grad_buckets: ClassVar[bool] = True
+
+    def __init__(self, group: bc.ProcessGroup):
+        self.group = group
+
+    # -- phases -----------------------------------------------------------------------------
+    def bucket_alignment(self) -> int:
+        return 1
+
+    def init_tensors(self, module: BaguaModule) -> list[torch.nn.Parameter]:
+        """Parameters that need communication, in reverse registration order (the order
+        their gradients usually become ready in backward)."""
+        seen, params = set(), []
+        for p in module.module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        return params[::-1]
+
+    def tensors_to_buckets(self, tensors: list[torch.Tensor],
+                           bucket_size: int) -> list[list[torch.Tensor]]:
+        """Split per dtype (and device), filling each bucket up to ``bucket_size`` bytes.
+
+        The first bucket of each dtype is capped at ``FIRST_BUCKET_SIZE`` (1 MiB) so that
+        communication starts early in backward, overlapping the rest of it."""
+        open_: OrderedDict[Any, list] = OrderedDict()
+        sizes: dict[Any, int] = {}
+        buckets = []
+        started: set = set()
+        for t in tensors:
+            key = (t.dtype, t.device)
+            open_.setdefault(key, [])
+            nbytes = t.numel() * t.element_size()
+            cap = bucket_size if key in started else min(bucket_size, FIRST_BUCKET_SIZE)
+            if open_[key] and sizes[key] + nbytes > cap:
+                started.add(key)
+                buckets.append(open_[key])
+                open_[key], sizes[key] = [], 0
+            open_[key].append(t)
+            sizes[key] = sizes.get(key, 0) + nbytes
+        buckets.extend(b for b in open_.values() if b)
+        order = {id(t): i for i, t in enumerate(tensors)}
+        return sorted(buckets, key=lambda b: order[id(b[0])])   # launch in readiness order
+
+    def init_operations(self, module: BaguaModule, buckets: list[BaguaBucket]) -> None:
+        """Allocate per-bucket state once buckets exist."""
+
+    def forward_pre_hook(self, module: BaguaModule) -> None:
+        """Before each training forward (``module.step`` already counts this step)."""
+
+    def bucket_ready_hook(self, module: BaguaModule, bucket: BaguaBucket):
+        """In backward: every gradient of ``bucket`` is in ``bucket.grad``. Start its
+        communication and return a handle with ``wait()`` (or None if done already)."""
+        return None
+
+    def post_backward_hook(self, module: BaguaModule) -> None:
+        """End of backward: every bucket's communication has completed."""
+
+    def post_optimizer_step_hook(self, module: BaguaModule, optimizer) -> None:
+        """After each ``optimizer.step()``."""
+
+    # -- state and lifetime -------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Algorithm state to checkpoint (tensors are cloned by the caller's ``torch.save``)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} has no state to load, got keys "
+                             f"{sorted(state)}")
+
+    def shutdown(self) -> None:
+        """Release threads and buffers (before re-wrapping or at exit)."""

@@ -1,0 +1,173 @@
+"""AsyncModelAverage: a background thread averages the model with its peers every
+``sync_interval_ms`` while training continues, on its own process group."""
+
+from __future__ import annotations
+
+import atexit
+import threading
+
+import torch
+
+import bagua_comm as bc
+
+from .algorithm import Algorithm, AlgorithmImpl
+
+
+class AsyncModelAverage(Algorithm, name="async"):
+    """Asynchronous model averaging: ranks never wait for each other's steps.
+
+    The first ``warmup_steps`` steps allreduce gradients synchronously; then a background
+    thread (its own process group) averages the weights every ``sync_interval_ms``.  Each round
+    starts with an abort flag agreed by all ranks, so that :meth:`BaguaModule.abort` on any
+    rank stops every rank's thread at the next round and exit never hangs.  The averaged
+    weights are applied by the training thread before the next forward, never during one.
+    """
+
+    def __init__(self, peer_selection_mode: str = "all", sync_interval_ms: int = 500,
+                 warmup_steps: int = 0):
+        if peer_selection_mode != "all":
+            raise ValueError(f"AsyncModelAverage supports peer_selection_mode='all' only, got "
+                             f"{peer_selection_mode!r}")
+        if isinstance(sync_interval_ms, bool) or not isinstance(sync_interval_ms, (int, float)) \
+                or sync_interval_ms < 0:
+            raise ValueError(f"sync_interval_ms must be a number >= 0, got {sync_interval_ms!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        self.peer_selection_mode = peer_selection_mode
+        self.sync_interval_ms = sync_interval_ms
+        self.warmup_steps = warmup_steps
+
+    def reify(self, group):
+        return AsyncModelAverageImpl(group, self)
+
+
+class AsyncModelAverageImpl(AlgorithmImpl):
+    flatten_weights = True
+
+    def __init__(self, group, algo: AsyncModelAverage):
+        super().__init__(group)
+        self.interval = algo.sync_interval_ms / 1000.0
+        self.warmup_steps = algo.warmup_steps
+        self.uses_grad_buckets = algo.warmup_steps > 0
+        self.bg_group = bc.new_group(group.ranks)     # collective: every rank, same order
+        self.lock = threading.Lock()                  # held around optimizer.step()
+        self.abort_event = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.stopped = False
+        self.rounds = 0
+        self.error: BaseException | None = None
+        self._opt_hooks = []
+        self._atexit_registered = False
+
+    def init_operations(self, module, buckets):
+        self.buckets = buckets
+        self.pending = [torch.zeros_like(b.weight) for b in buckets]
+        self.has_pending = False
+        for opt in module.optimizers:
+            self._opt_hooks.append(opt.register_step_pre_hook(self._lock_step))
+            self._opt_hooks.append(opt.register_step_post_hook(self._unlock_step))
+
+    def _lock_step(self, *_):
+        self.lock.acquire()
+
+    def _unlock_step(self, *_):
+        self.lock.release()
+
+    # -- training thread ------------------------------------------------------------------------
+    def forward_pre_hook(self, module):
+        if module.step <= self.warmup_steps:
+            self.uses_grad_buckets = True
+            return
+        self.uses_grad_buckets = False
+        if self.thread is None and not self.stopped:
+            self._start()
+        self._apply_pending()
+
+    def bucket_ready_hook(self, module, bucket):
+        return bc.allreduce_inplace(bucket.grad, bc.ReduceOp.AVG, group=self.group,
+                                    async_op=True)
+
+    def _apply_pending(self):
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise RuntimeError("AsyncModelAverage's background thread failed") from err
+        with self.lock:
+            if not self.has_pending:
+                return
+            with torch.no_grad():
+                for b, delta in zip(self.buckets, self.pending):
+                    b.gather_weights().add_(delta)
+                    b.scatter_weights()
+                    delta.zero_()
+            self.has_pending = False
+
+    def _start(self):
+        if not self._atexit_registered:   # a forgotten abort() must not keep peers waiting
+            atexit.register(self._stop_at_exit)
+            self._atexit_registered = True
+        self.abort_event.clear()
+        self.thread = threading.Thread(target=self._loop, name="bagua-async-average",
+                                       daemon=True)
+        self.thread.start()
+
+    def abort(self, module):
+        """Stop averaging on every rank (at their next round) and wait for this rank's
+        thread; then apply the last average."""
+        self.abort_event.set()
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        self.stopped = True
+        self._apply_pending()
+
+    def resume(self, module):
+        """Restart averaging after :meth:`abort` (call it on every rank)."""
+        if self.thread is not None:
+            return
+        self.stopped = False
+        if module.step > self.warmup_steps:
+            self._start()
+
+    # -- background thread ----------------------------------------------------------------------
+    def _loop(self):
+        try:
+            flag = torch.zeros(1, dtype=torch.int32)
+            while True:
+                self.abort_event.wait(self.interval)
+                flag.fill_(1 if self.abort_event.is_set() else 0)
+                bc.allreduce_inplace(flag, bc.ReduceOp.MAX, group=self.bg_group)
+                if flag.item():
+                    self.stopped = True
+                    return
+                self._average_once()
+        except BaseException as err:   # surfaced in the training thread
+            self.error = err
+            self.stopped = True
+
+    def _average_once(self):
+        with self.lock:   # the weights as the next forward will see them
+            snaps = [b.gather_weights() + delta for b, delta in zip(self.buckets, self.pending)]
+        for s in snaps:
+            avg = s.clone()
+            bc.allreduce_inplace(avg, bc.ReduceOp.AVG, group=self.bg_group)
+            s.sub_(avg).neg_()             # avg - snapshot
+        with self.lock:
+            for delta, s in zip(self.pending, snaps):
+                delta.add_(s)
+            self.has_pending = True
+        self.rounds += 1
+
+    def _stop_at_exit(self):
+        thread = self.thread
+        if thread is not None and thread.is_alive():
+            self.abort_event.set()
+            thread.join(timeout=self.interval + 10.0)
+
+    def shutdown(self):
+        if self.thread is not None:
+            self.abort_event.set()
+            self.thread.join()
+            self.thread = None
+        for h in self._opt_hooks:
+            h.remove()
+        self._opt_hooks.clear()

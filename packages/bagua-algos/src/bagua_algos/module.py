@@ -1,0 +1,265 @@
+"""``with_bagua`` and :class:`BaguaModule`: buckets, hooks and overlap for any algorithm."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable
+
+import torch
+from torch.autograd import Variable
+
+import bagua_comm as bc
+
+from ._bucket import BaguaBucket
+from .algorithm import Algorithm, AlgorithmImpl
+
+DEFAULT_BUCKET_SIZE = 10 * 1024 * 1024
+_STATE_KEY = "bagua_algos"
+
+
+def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | None = None, *,
+               group: bc.ProcessGroup | None = None, do_flatten: bool = True,
+               bucket_size: int | None = None) -> BaguaModule:
+    """Wrap ``model`` for data-parallel training with ``algorithm``.
+
+    Every rank ends up with rank 0's parameters, buffers and optimizer state.  Gradients (or
+    weights) are grouped into buckets of ``bucket_size`` bytes (default 10 MiB) per dtype, in
+    reverse registration order; with ``do_flatten`` the gradients become views of the bucket
+    buffers.  Each bucket's communication starts as soon as its last gradient is accumulated
+    and is waited for at the end of backward.  Calling ``with_bagua`` again on the returned
+    module switches it to another algorithm.
+    """
+    if isinstance(model, BaguaModule):
+        model.detach_algorithm()
+        model = model.module
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = [optimizers]
+    optimizers = list(optimizers or [])
+    for i, opt in enumerate(optimizers):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ValueError(f"optimizers[{i}] must be a torch.optim.Optimizer, got "
+                             f"{type(opt).__name__}")
+    if not isinstance(algorithm, Algorithm):
+        raise ValueError("algorithm must be a bagua_algos.Algorithm (e.g. GradientAllReduce() or "
+                         f"Algorithm.init('gradient_allreduce')), got {type(algorithm).__name__}")
+    bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
+    if not isinstance(bucket_size, int) or bucket_size <= 0:
+        raise ValueError(f"bucket_size must be a positive number of bytes, got {bucket_size!r}")
+    if not bc.is_initialized():
+        raise RuntimeError("bagua_comm is not initialised: call bagua_comm.init_process_group() "
+                           "before with_bagua()")
+    group = bc.get_default_group() if group is None else group
+    if not isinstance(group, bc.ProcessGroup) or not group.is_member():
+        raise ValueError(f"group must be a bagua_comm.ProcessGroup containing this rank, "
+                         f"got {group!r}")
+    return BaguaModule(model, optimizers, algorithm, group, do_flatten, bucket_size)
+
+
+def _broadcast_tensors(tensors: Iterable[torch.Tensor], group: bc.ProcessGroup) -> None:
+    if group.size == 1:
+        return
+    by_key: dict = {}
+    for t in tensors:
+        by_key.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for ts in by_key.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            bc.broadcast(flat, 0, group=group)
+            off = 0
+            for t in ts:
+                t.copy_(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()
+
+
+class BaguaModule(torch.nn.Module):
+    """A model wrapped by :func:`with_bagua`. ``forward`` passes through to ``.module``."""
+
+    def __init__(self, module, optimizers, algorithm, group, do_flatten, bucket_size):
+        super().__init__()
+        self.module = module
+        self.algorithm = algorithm
+        self.optimizers = optimizers
+        self.group = group
+        self.do_flatten = do_flatten
+        self.bucket_size = bucket_size
+        self.step = 0                      # synchronised training forwards so far
+        self._sync = True
+        self._handles: list = []
+        self._hooks: list = []
+        self._cb_queued = False
+        self._ready: set[int] = set()
+        self._comm_stream = None
+
+        _broadcast_tensors(list(module.parameters()) + list(module.buffers()), group)
+        for opt in optimizers if group.size > 1 else ():
+            state = bc.broadcast_object(opt.state_dict() if group.rank == 0 else None, 0,
+                                        group=group)
+            if group.rank != 0:
+                opt.load_state_dict(state)
+
+        self.impl: AlgorithmImpl = algorithm.reify(group)
+        tensors = self.impl.init_tensors(self)
+        groups = self.impl.tensors_to_buckets(tensors, bucket_size)
+        align = self.impl.bucket_alignment()
+        self.buckets = [BaguaBucket(i, ps, alignment=align, flatten=do_flatten,
+                                    flatten_weights=self.impl.flatten_weights)
+                        for i, ps in enumerate(groups)]
+        self._bucket_of = {id(p): b.index for b in self.buckets for p in b.params}
+        self._pending = [len(b.params) for b in self.buckets]
+        self._next = 0
+        self.impl.init_operations(self, self.buckets)
+        self._register_hooks()
+
+    # -- hooks --------------------------------------------------------------------------------
+    def _register_hooks(self) -> None:
+        self._hooks.append(self.register_forward_pre_hook(self._forward_pre))
+        for b in self.buckets:
+            for p in b.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        for opt in self.optimizers:
+            self._hooks.append(opt.register_step_post_hook(self._optimizer_stepped))
+        if self.optimizers:
+            opt = self.optimizers[0]
+            self._hooks.append(opt.register_state_dict_post_hook(self._save_into_optimizer))
+            self._hooks.append(opt.register_load_state_dict_pre_hook(self._load_from_optimizer))
+
+    def _forward_pre(self, _module, _inputs) -> None:
+        if self.training and torch.is_grad_enabled() and self._sync:
+            self.step += 1
+            self.impl.forward_pre_hook(self)
+
+    def _grad_ready(self, param) -> None:
+        if not self._sync:
+            return
+        if not self._cb_queued:
+            self._cb_queued = True
+            Variable._execution_engine.queue_callback(self._backward_end)
+        key = id(param)
+        if key in self._ready or key not in self._bucket_of:
+            return
+        self._ready.add(key)
+        i = self._bucket_of[key]
+        self._pending[i] -= 1
+        if self._pending[i] == 0:
+            self._launch(force=False)
+
+    def _launch(self, force: bool) -> None:
+        """Start buckets in index order (the same on every rank), as far as they are ready."""
+        while self._next < len(self.buckets) and (force or self._pending[self._next] == 0):
+            b = self.buckets[self._next]
+            self._next += 1
+            if not self.impl.uses_grad_buckets:
+                continue
+            b.gather_grads()
+            if b.device.type == "cuda":
+                handle = self._launch_on_stream(b)
+            else:
+                handle = self.impl.bucket_ready_hook(self, b)
+            self._handles.append((b, handle))
+
+    def _launch_on_stream(self, bucket):
+        # No host synchronisation: the side stream waits for the gradients on the GPU.
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream(device=bucket.device)
+        self._comm_stream.wait_stream(torch.cuda.current_stream(bucket.device))
+        with torch.cuda.stream(self._comm_stream):
+            return self.impl.bucket_ready_hook(self, bucket)
+
+    def _backward_end(self) -> None:
+        try:
+            self._launch(force=True)
+            for _, handle in self._handles:
+                if handle is not None:
+                    handle.wait()
+            if self._comm_stream is not None:     # GPU: order, don't block the host
+                torch.cuda.current_stream(self._comm_stream.device).wait_stream(
+                    self._comm_stream)
+            for b, _ in self._handles:
+                b.scatter_grads()
+        finally:
+            self._handles.clear()
+            self._ready.clear()
+            self._pending = [len(b.params) for b in self.buckets]
+            self._next = 0
+            self._cb_queued = False
+        self.impl.post_backward_hook(self)
+
+    def _optimizer_stepped(self, optimizer, _args, _kwargs) -> None:
+        self.impl.post_optimizer_step_hook(self, optimizer)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def bagua_state_dict(self) -> dict:
+        """The algorithm's state (also saved inside the first optimizer's ``state_dict()``)."""
+        return {"algorithm": self.algorithm.name, "step": self.step,
+                "impl": self.impl.state_dict()}
+
+    def load_bagua_state_dict(self, state: dict) -> None:
+        """Restore :meth:`bagua_state_dict`'s output.  State saved by another algorithm (a
+        run that switched algorithm) restores the step counter only, with a warning."""
+        if not isinstance(state, dict) or "step" not in state:
+            raise ValueError("state must be a dict from BaguaModule.bagua_state_dict()")
+        self.step = int(state["step"])
+        if state.get("algorithm") != self.algorithm.name:
+            warnings.warn(f"checkpoint holds the state of algorithm {state.get('algorithm')!r}"
+                          f" but this module runs {self.algorithm.name!r}: only the step "
+                          "counter is restored", stacklevel=2)
+            return
+        self.impl.load_state_dict(state["impl"])
+
+    def _save_into_optimizer(self, _optimizer, state_dict):
+        state_dict[_STATE_KEY] = self.bagua_state_dict()
+        return state_dict
+
+    def _load_from_optimizer(self, _optimizer, state_dict):
+        state_dict = dict(state_dict)
+        saved = state_dict.pop(_STATE_KEY, None)
+        if saved is not None:
+            self.load_bagua_state_dict(saved)
+        return state_dict
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped model's ``state_dict`` (no ``module.`` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if assign:
+            raise ValueError("assign=True would replace parameters that bagua has flattened; "
+                             "load with assign=False")
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    # -- user API -------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally: no communication in forwards/backwards inside."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def abort(self) -> None:
+        """Stop background communication (AsyncModelAverage); returns once it has stopped."""
+        fn = getattr(self.impl, "abort", None)
+        if fn is None:
+            raise RuntimeError(f"{self.algorithm.name} has no background communication to abort")
+        fn(self)
+
+    def resume(self) -> None:
+        """Restart background communication stopped by :meth:`abort` (collective)."""
+        fn = getattr(self.impl, "resume", None)
+        if fn is None:
+            raise RuntimeError(f"{self.algorithm.name} has no background communication to resume")
+        fn(self)
+
+    def detach_algorithm(self) -> None:
+        """Remove hooks and stop the algorithm (``with_bagua`` calls this when switching)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.impl.shutdown()

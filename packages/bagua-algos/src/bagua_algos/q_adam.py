@@ -1,0 +1,174 @@
+"""QAdam: Adam whose second moment freezes after a warmup, so that afterwards only the
+momentum needs averaging, and it travels 8-bit compressed."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import bagua_comm as bc
+
+from ._comm import Runner, hierarchical, prepare_hierarchy
+from .algorithm import Algorithm, AlgorithmImpl
+from .bytegrad import CompressedAllReduce
+from .decentralized import check_bool
+
+
+class QAdamOptimizer(torch.optim.Optimizer):
+    """Adam with a frozen second moment after ``warmup_steps`` steps.
+
+    For the first ``warmup_steps`` steps it is Adam (``exp_avg`` and ``exp_avg_sq`` both
+    updated).  After that ``exp_avg_sq`` (and its bias correction) stays fixed and only the
+    momentum ``exp_avg`` moves; under :class:`QAdam` the momentum is computed in backward and
+    averaged across ranks in compressed form before ``step()`` uses it.  Weight decay is
+    L2 (added to the gradient), as in ``torch.optim.Adam``.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, warmup_steps: int = 100,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        if not lr > 0.0:
+            raise ValueError(f"lr must be > 0, got {lr!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) \
+                or warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be an int >= 1 (the second moment is "
+                             f"estimated during warmup), got {warmup_steps!r}")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        if not eps >= 0.0:
+            raise ValueError(f"eps must be >= 0, got {eps!r}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
+                    "step_id": 0}
+        super().__init__(params, defaults)
+        self.warmup_steps = warmup_steps
+        self.momentum_ready: set[int] = set()   # params whose exp_avg QAdam already updated
+
+    def init_state(self, p) -> dict:
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def next_step_is_warmup(self) -> bool:
+        """True while the coming ``step()`` is still a warmup step."""
+        return self.param_groups[0]["step_id"] < self.warmup_steps
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            group["step_id"] += 1
+            t = group["step_id"]
+            beta1, beta2 = group["betas"]
+            warm = t <= self.warmup_steps
+            bias1 = 1 - beta1 ** t
+            bias2 = 1 - beta2 ** min(t, self.warmup_steps)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.init_state(p)
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                if warm or id(p) not in self.momentum_ready:
+                    grad = p.grad
+                    if group["weight_decay"]:
+                        grad = grad.add(p, alpha=group["weight_decay"])
+                    m.mul_(beta1).add_(grad, alpha=1 - beta1)
+                    if warm:
+                        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                denom = (v.sqrt() / math.sqrt(bias2)).add_(group["eps"])
+                p.addcdiv_(m, denom, value=-group["lr"] / bias1)
+        self.momentum_ready.clear()
+        return loss
+
+
+class QAdam(Algorithm, name="qadam"):
+    """The algorithm for :class:`QAdamOptimizer`: allreduce gradients during warmup, then
+    compressed (MinMaxUInt8) allreduce of the momentum; ranks stay bit-identical."""
+
+    def __init__(self, q_adam_optimizer: QAdamOptimizer, hierarchical: bool = True):
+        if not isinstance(q_adam_optimizer, QAdamOptimizer):
+            raise ValueError(f"q_adam_optimizer must be a QAdamOptimizer, got "
+                             f"{type(q_adam_optimizer).__name__}")
+        check_bool("hierarchical", hierarchical)
+        self.optimizer = q_adam_optimizer
+        self.hierarchical = hierarchical
+
+    def __repr__(self) -> str:
+        return f"QAdam(hierarchical={self.hierarchical})"
+
+    def reify(self, group):
+        return QAdamImpl(group, self)
+
+
+class QAdamImpl(AlgorithmImpl):
+    def __init__(self, group, algo: QAdam):
+        super().__init__(group)
+        self.optimizer = algo.optimizer
+        self.hierarchical = algo.hierarchical
+        self.compressed = CompressedAllReduce(group, algo.hierarchical, average=True)
+        self.runner = Runner("bagua-qadam")
+        if algo.hierarchical:
+            prepare_hierarchy(group)
+        self._group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+
+    def init_tensors(self, module):
+        return [p for p in super().init_tensors(module) if id(p) in self._group_of]
+
+    def init_operations(self, module, buckets):
+        self.buckets = buckets
+        self.momentum = [torch.zeros_like(b.grad) for b in buckets]
+        self._views = [[m[o:o + p.numel()].view_as(p) for o, p in zip(b.offsets, b.params)]
+                       for b, m in zip(buckets, self.momentum)]
+        for i in range(len(buckets)):
+            self._bind_momentum(i)
+
+    def _bind_momentum(self, i):
+        """Make each parameter's ``exp_avg`` a view of the bucket's momentum buffer (again
+        after ``optimizer.load_state_dict`` replaced it)."""
+        for p, view in zip(self.buckets[i].params, self._views[i]):
+            state = self.optimizer.init_state(p)
+            if state["exp_avg"].data_ptr() != view.data_ptr():
+                view.copy_(state["exp_avg"])
+                state["exp_avg"] = view
+
+    def _allreduce(self, tensor):
+        if not self.hierarchical:
+            return bc.allreduce_inplace(tensor, bc.ReduceOp.AVG, group=self.group,
+                                        async_op=True)
+
+        def among(t, inter):
+            bc.allreduce_inplace(t, bc.ReduceOp.AVG, group=inter)
+
+        return self.runner.submit(lambda: hierarchical(self.group, tensor, among, True))
+
+    def bucket_ready_hook(self, module, bucket):
+        if self.optimizer.next_step_is_warmup():
+            return self._allreduce(bucket.grad)
+        i = bucket.index
+        self._bind_momentum(i)
+        with torch.no_grad():
+            for p, g, m in zip(bucket.params, bucket.grad_views(), self._views[i]):
+                group = self._group_of[id(p)]
+                beta1 = group["betas"][0]
+                if group["weight_decay"]:
+                    g = g.add(p, alpha=group["weight_decay"])
+                m.mul_(beta1).add_(g, alpha=1 - beta1)
+                self.optimizer.momentum_ready.add(id(p))
+        return self.compressed(self.momentum[i], bucket.name)
+
+    def state_dict(self):
+        return {"compressors": self.compressed.state_dict()}
+
+    def load_state_dict(self, state):
+        self.compressed.load_state_dict(state["compressors"])
+
+    def shutdown(self):
+        self.compressed.close()
+        self.runner.close()

@@ -1,0 +1,157 @@
+"""Per-optimizer bookkeeping: which parameters are fused how, and what one step feeds the
+optimizer's own ``step`` instead of the parameters themselves."""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from collections.abc import Callable
+from itertools import repeat
+
+import torch
+
+from . import _layout
+from ._probe import probe
+from ._segments import Segment, build_segments
+
+
+class GroupLayout:
+    """How one param group is laid out: fused runs, and parameters stepped one by one."""
+
+    __slots__ = ("loose", "n", "params", "runs")
+
+    def __init__(self, params: list, runs: list[_layout.Run], loose: list):
+        self.params = params            # the group's own list object: replaced => lay out again
+        self.n = len(params)
+        self.runs = runs
+        self.loose = loose
+
+    def current(self, group: dict) -> bool:
+        return group["params"] is self.params and len(self.params) == self.n
+
+
+class Fuser:
+    """State that ``fuse_optimizer`` attaches to an optimizer (as ``_bagua_fuse``)."""
+
+    def __init__(self, inner_step: Callable, do_flatten: bool, check_flatten: bool):
+        self.inner_step = inner_step
+        self.do_flatten = do_flatten
+        self.check_flatten = check_flatten
+        self.layouts: list[GroupLayout] = []
+        self.verdicts: dict[tuple, str | None] = {}
+        self.warned = False
+
+    # -- layout ---------------------------------------------------------------------------
+    def sync_layouts(self, opt: torch.optim.Optimizer) -> None:
+        """Lay out every group whose parameters are new or changed since the last call."""
+        groups = opt.param_groups
+        del self.layouts[len(groups):]
+        todo = [i for i, g in enumerate(groups)
+                if i >= len(self.layouts) or not self.layouts[i].current(g)]
+        if not todo:
+            return
+        for i in todo:
+            lay = self._layout_group(opt, i)
+            if i < len(self.layouts):
+                self.layouts[i] = lay
+            else:
+                self.layouts.append(lay)
+
+    def _layout_group(self, opt, index: int) -> GroupLayout:
+        group = opt.param_groups[index]
+        params = group["params"]
+        loose = [p for p in params if not _layout.fusable(p)]
+        runs: list[_layout.Run] = []
+        for (dtype, device), ps in _layout.split_by_key(
+                p for p in params if _layout.fusable(p)).items():
+            why = self._verdict(opt, index, group, dtype, device)
+            if why is not None:
+                loose += ps
+                continue
+            got, rest = _layout.adopt(ps, move_grads=self.do_flatten)
+            runs += got
+            small = [p for p in rest if p.numel() < _layout.FLATTEN_MAX_NUMEL]
+            loose += [p for p in rest if p.numel() >= _layout.FLATTEN_MAX_NUMEL]
+            if self.do_flatten and len(small) > 1:
+                runs.append(_layout.flatten(small))
+            else:
+                loose += small
+        return GroupLayout(params, runs, loose)
+
+    def _verdict(self, opt, index, group, dtype, device) -> str | None:
+        key = (id(group), dtype, device)
+        if key not in self.verdicts:
+            # The probe calls the optimizer's step with other params; should that step ignore
+            # param_groups, it must not touch the real parameters: hide their gradients.
+            hidden = [(p, p.grad) for g in opt.param_groups for p in g["params"]
+                      if p.grad is not None]
+            with torch.no_grad():
+                for p, _ in hidden:
+                    p.grad = None
+                try:
+                    why = probe(opt, group, dtype, device, self.inner_step)
+                finally:
+                    for p, g in hidden:
+                        p.grad = g
+            self.verdicts[key] = why
+            if why is not None and not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"bagua_optim.fuse_optimizer: {type(opt).__name__} param group {index} "
+                    f"({dtype}, {device}) is not updated elementwise: {why}. Its parameters "
+                    "are stepped one at a time, as without fusing.", RuntimeWarning,
+                    stacklevel=5)
+        return self.verdicts[key]
+
+    def reset_segments(self) -> None:
+        """Forget fused state: the next step rebuilds it from each parameter's own state."""
+        for lay in self.layouts:
+            for run in lay.runs:
+                run.segments = None
+
+    def fuses_anything(self, opt) -> bool:
+        if len(self.layouts) != len(opt.param_groups):
+            self.sync_layouts(opt)
+        return any(lay.runs for lay in self.layouts)
+
+    # -- one step -------------------------------------------------------------------------
+    def prepare(self, opt) -> tuple[list[dict], list[Segment]]:
+        """The param groups to hand the optimizer's step, and the segments inside them."""
+        groups = opt.param_groups
+        if len(self.layouts) != len(groups) or not all(
+                lay.current(g) for lay, g in zip(self.layouts, groups)):
+            self.sync_layouts(opt)
+        fused_groups, segs = [], []
+        for i, (group, lay) in enumerate(zip(groups, self.layouts)):
+            if not lay.runs:
+                fused_groups.append(group)
+                continue
+            params = self._group_params(opt, i, segs)
+            fg = dict(group)
+            fg["params"] = params
+            fused_groups.append(fg)
+        return fused_groups, segs
+
+    def _group_params(self, opt, index: int, segs: list[Segment]) -> list:
+        lay = self.layouts[index]
+        if self.check_flatten and not all(run.params_in_place() for run in lay.runs):
+            # Something replaced a parameter's storage (p.data = ..., module.to(...), a
+            # bucket): lay the group out again, adopting what now lies back to back.
+            lay = self.layouts[index] = self._layout_group(opt, index)
+        params = list(lay.loose)
+        for run in lay.runs:
+            if not run.grads_in_place():
+                before = list(map(operator.is_, run.grad_views, repeat(None)))
+                if not run.adopt_grads():
+                    run.segments = None
+                    params += run.params    # this step: one by one, exactly as unfused
+                    continue
+                if before != list(map(operator.is_, run.grad_views, repeat(None))):
+                    run.segments = None
+            if run.segments is None:
+                run.segments = build_segments(run, opt.state)
+            run_segs, single = run.segments
+            segs += run_segs
+            params += [s.standin for s in run_segs]
+            params += single
+        return params

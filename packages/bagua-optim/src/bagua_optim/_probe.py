@@ -1,0 +1,97 @@
+"""Is an optimizer's update elementwise?  Known answers first, then a probe.
+
+The probe runs the optimizer's own (unhooked) ``step`` on a shallow copy of the optimizer, with
+the param group's hyper-parameters, on a few small parameters of different shapes: once one by
+one and once as a single flat stand-in.  The update is taken as elementwise only when both give
+bit-identical parameters and state for several steps, the state is parameter-shaped or scalar,
+and the step changed the parameters at all.  That catches optimizers that read a parameter's
+shape or dimension, reduce over a parameter (norms, trust ratios), factor their state, draw
+random numbers, or ignore ``param_groups``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+_SHAPES = ((3, 5), (7,), (2, 3, 2), (1,))
+_STEPS = 3
+
+
+def _known_not_elementwise() -> tuple[type, ...]:
+    names = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+    return tuple(c for c in (getattr(torch.optim, n, None) for n in names) if c is not None)
+
+
+def _state_equal(fused: dict, singles: list[dict], shapes) -> str | None:
+    if any(st.keys() != fused.keys() for st in singles):
+        return "its state keys differ between small parameters and a flat one"
+    for key, v in fused.items():
+        vals = [st[key] for st in singles]
+        if isinstance(v, torch.Tensor):
+            if v.dim() == 0:
+                if not all(isinstance(x, torch.Tensor) and torch.equal(x, v) for x in vals):
+                    return f"state[{key!r}] of a flat parameter differs from small ones'"
+            elif not all(isinstance(x, torch.Tensor) and tuple(x.shape) == s
+                         for x, s in zip(vals, shapes)):
+                return f"state[{key!r}] is not shaped like its parameter"
+            elif not torch.equal(torch.cat([x.reshape(-1) for x in vals]), v):
+                return (f"state[{key!r}] of a flat parameter is not bit-identical to small "
+                        "ones' (rounding that depends on an element's position, as in torch's "
+                        "CPU fused=True kernels, or a reduction over the parameter)")
+        elif any(x != v for x in vals):
+            return f"state[{key!r}] of a flat parameter differs from small ones'"
+    return None
+
+
+def probe(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
+          device: torch.device, step: Callable) -> str | None:
+    """Why ``group``'s update is not elementwise for ``dtype``/``device``; None if it is."""
+    if isinstance(optimizer, _known_not_elementwise()):
+        return f"{type(optimizer).__name__} is not elementwise"
+    gen = torch.Generator().manual_seed(0x6A6)
+    shapes = _SHAPES
+    init = [torch.randn(s, generator=gen).to(dtype=dtype, device=device) for s in shapes]
+    grads = [[torch.randn(s, generator=gen).to(dtype=dtype, device=device) for s in shapes]
+             for _ in range(_STEPS)]
+    singles = [torch.nn.Parameter(x.clone()) for x in init]
+    flat = torch.nn.Parameter(torch.cat([x.reshape(-1) for x in init]))
+
+    def clone_opt(params):
+        twin = object.__new__(type(optimizer))
+        twin.__dict__.update(optimizer.__dict__)
+        g = dict(group)
+        g["params"] = params
+        if isinstance(g.get("lr"), (int, float)) and g["lr"] == 0:
+            g["lr"] = 1e-2              # a warm-up may start at 0: probe a real update
+        twin.param_groups = [g]
+        twin.state = defaultdict(dict)
+        return twin
+
+    a, b = clone_opt(singles), clone_opt([flat])
+    devices = [device] if device.type != "cpu" else []
+    try:
+        with torch.random.fork_rng(devices=devices, device_type=device.type):
+            for k in range(_STEPS):
+                for p, g in zip(singles, grads[k]):
+                    p.grad = g.clone()
+                flat.grad = torch.cat([g.reshape(-1) for g in grads[k]])
+                rng = torch.random.get_rng_state()
+                step(a)
+                torch.random.set_rng_state(rng)
+                step(b)
+                got = torch.cat([p.detach().reshape(-1) for p in singles])
+                if not torch.equal(got, flat.detach()):
+                    return ("a flat parameter is not updated bit-identically to small ones "
+                            "(an update that reads shapes or norms, or rounding that depends on "
+                            "an element's position, as in torch's CPU fused=True kernels)")
+                why = _state_equal(b.state[flat], [a.state[p] for p in singles], shapes)
+                if why:
+                    return why
+    except Exception as err:  # any failure means: do not fuse
+        return f"its step failed on a probe ({type(err).__name__}: {err})"
+    if torch.equal(flat.detach(), torch.cat([x.reshape(-1) for x in init])):
+        return "its step did not change the probe parameters, so it could not be verified"
+    return None
