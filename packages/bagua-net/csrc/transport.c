@@ -24,11 +24,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "transport.h"
 
 #define BN_MIN_CHUNK_FLOOR 4096
+#define BN_END_OF_STREAM UINT64_MAX /* offset of the header that closes a stream */
 
 typedef struct {
   bn_comm_t *comm;
@@ -55,6 +57,7 @@ struct bn_comm {
   uint32_t head;     /* send: oldest message whose chunks are not all handed out */
   size_t min_chunk;
   int closing;
+  int ended;         /* recv: streams the sender closed in order */
   int error;         /* bn_result_t, set once (atomic) */
   int error_logged;
   char errmsg[256];
@@ -285,6 +288,14 @@ static void *send_worker(void *p) {
     r->nbytes += len;
     if (++r->chunks_done == r->nchunks) __atomic_store_n(&r->done, 1, __ATOMIC_RELEASE);
   }
+  if (c->closing && c->error == 0) {
+    /* Orderly close: tell the receiver this stream ends here, so that its end of stream is not
+     * taken for a dead peer. Never blocks; if the peer is not reading, it sees a plain EOF. */
+    bn_chunk_hdr_t end = {BN_MAGIC, c->next_seq, 0, BN_END_OF_STREAM, 0};
+    pthread_mutex_unlock(&c->mu);
+    send(fd, &end, sizeof(end), MSG_NOSIGNAL | MSG_DONTWAIT);
+    return NULL;
+  }
   pthread_mutex_unlock(&c->mu);
   return NULL;
 }
@@ -301,6 +312,13 @@ static void *recv_worker(void *p) {
     if (rc != 0) {
       comm_fail(c, BN_REMOTE_ERROR, "receive from %s failed on stream %d: %s", c->peer, stream,
                 io_error(rc));
+      break;
+    }
+    if (hdr.magic == BN_MAGIC && hdr.offset == BN_END_OF_STREAM) {
+      /* The sender closed this stream in order. Once all have closed, messages that are not
+       * complete never will be. */
+      if (++c->ended == c->nstreams)
+        comm_fail(c, BN_REMOTE_ERROR, "%s closed the connection", c->peer);
       break;
     }
     if (hdr.magic != BN_MAGIC || hdr.offset > hdr.total || hdr.len > hdr.total - hdr.offset) {
@@ -344,11 +362,22 @@ static void comm_destroy(bn_comm_t *c) {
   c->closing = 1;
   pthread_cond_broadcast(&c->cv);
   pthread_mutex_unlock(&c->mu);
-  /* Wake threads blocked in socket calls. A sender's queued bytes still go out before FIN. */
-  for (int i = 0; i < c->nstreams; i++) {
-    if (c->fds[i] >= 0) shutdown(c->fds[i], c->is_send ? SHUT_WR : SHUT_RDWR);
+  if (c->is_send) {
+    /* Idle senders exit at once (and mark their stream's end). One still blocked writing a
+     * message nobody will complete is woken by shutting its socket down after a grace period;
+     * bytes already queued still go out before the FIN. */
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += 2;
+    for (int i = 0; i < c->nthreads; i++) {
+      if (pthread_timedjoin_np(c->threads[i], NULL, &deadline) == 0) continue;
+      shutdown(c->fds[i], SHUT_RDWR);
+      pthread_join(c->threads[i], NULL);
+    }
+  } else {
+    for (int i = 0; i < c->nstreams; i++) shutdown(c->fds[i], SHUT_RDWR); /* wake readers */
+    for (int i = 0; i < c->nthreads; i++) pthread_join(c->threads[i], NULL);
   }
-  for (int i = 0; i < c->nthreads; i++) pthread_join(c->threads[i], NULL);
   for (int i = 0; i < c->nstreams; i++) {
     if (c->fds[i] >= 0) close(c->fds[i]);
   }
@@ -452,7 +481,8 @@ bn_result_t bn_isend(void *send_comm, void *data, size_t size, int tag, void **r
   }
   pthread_mutex_unlock(&c->mu);
   *request = r;
-  return report_error(c);
+  /* A request taken is reported through test() (it may complete even if the comm fails). */
+  return r != NULL ? BN_OK : report_error(c);
 }
 
 bn_result_t bn_irecv(void *recv_comm, int n, void **data, const size_t *sizes, void **request) {
@@ -472,7 +502,8 @@ bn_result_t bn_irecv(void *recv_comm, int n, void **data, const size_t *sizes, v
   }
   pthread_mutex_unlock(&c->mu);
   *request = r;
-  return report_error(c);
+  /* A request taken is reported through test() (it may complete even if the comm fails). */
+  return r != NULL ? BN_OK : report_error(c);
 }
 
 bn_result_t bn_iflush(void *recv_comm, void **request) {
