@@ -174,7 +174,7 @@ def _buf(handle: bytes):
 # -- peer death -------------------------------------------------------------------------------
 def receiver_outlives_sender(conn, size):
     """Post a receive the dying sender never finishes; report test()'s error code."""
-    p, listen, recv = _listen_side(conn)
+    p, _listen, recv = _listen_side(conn)
     buf = bytearray(size)
     req = p.irecv(recv, buf, size)
     conn.send("posted")
@@ -206,7 +206,7 @@ def sender_outlives_receiver(conn, size):
 
 
 def receiver_dies_midway(conn, size):
-    p, listen, recv = _listen_side(conn)
+    p, _listen, recv = _listen_side(conn)
     buf = bytearray(size)
     p.irecv(recv, buf, size)
     conn.send("ready")
@@ -232,3 +232,49 @@ def connect_to_dead_listener(conn):
     except PluginError as err:
         return {"code": err.code, "log": p.log}
     return {"code": 0, "log": p.log}
+
+
+# -- network namespaces -------------------------------------------------------------------------
+def _enter_netns(name: str) -> None:
+    """Move this (still single-threaded) process into network namespace ``name``."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns into {name} failed")
+    finally:
+        os.close(fd)
+
+
+def netns_receive(conn, namespaces, ifnames, sizes, seed):
+    """The first side of a veth pair: ``namespaces[0]``, ``ifnames[0]``."""
+    _enter_netns(namespaces[0])
+    os.environ["NCCL_SOCKET_IFNAME"] = ifnames[0]
+    p = Plugin()
+    p.init()
+    name = p.properties(0)["name"]
+    handle, listen = p.listen(0)
+    conn.send(handle)
+    recv = p.accept(listen)
+    ok = []
+    for i, n in enumerate(sizes):
+        buf = bytearray(n)
+        ok.append(p.recv(recv, buf) == n and buf == payload(seed + i, n))
+    p.close_recv(recv)
+    p.close_listen(listen)
+    return name, ok
+
+
+def netns_send(conn, namespaces, ifnames, sizes, seed):
+    """The second side of a veth pair: ``namespaces[1]``, ``ifnames[1]``."""
+    _enter_netns(namespaces[1])
+    os.environ["NCCL_SOCKET_IFNAME"] = ifnames[1]
+    p = Plugin()
+    p.init()
+    send = p.connect(conn.recv())
+    for i, n in enumerate(sizes):
+        p.send(send, payload(seed + i, n))
+    p.close_send(send)
+    return p.properties(0)["name"]

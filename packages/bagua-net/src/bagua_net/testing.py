@@ -24,6 +24,9 @@ from . import _abi, library_path
 __all__ = ["Plugin", "PluginError", "run_pair"]
 
 
+_LOGGERS: list = []
+
+
 class PluginError(RuntimeError):
     """A plugin call returned a non-zero ncclResult_t."""
 
@@ -52,6 +55,7 @@ class Plugin:
             self._fn[slot] = proto(addr) if addr else None
         self.log: list[str] = []
         self._logger = _abi.LOGGER(self._on_log)
+        _LOGGERS.append(self._logger)  # the library keeps the last one: never free it
         self._ctx = C.c_void_p()
 
     def _on_log(self, level, flags, file, line, fmt, msg):

@@ -1,0 +1,133 @@
+"""Environment variables: stream count, chunk size, NCCL_SOCKET_IFNAME; idle threads sleep."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import bagua_net
+from bagua_net.testing import Plugin, PluginError
+
+INVALID_ARGUMENT = 4
+SYSTEM_ERROR = 2
+
+
+def _threads(prefix):
+    """(name, state) of this process's threads whose name starts with ``prefix``."""
+    out = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        if name.startswith(prefix):
+            out.append((name, stat[stat.rindex(")") + 2]))
+    return out
+
+
+def _connect_in_process(p):
+    import ctypes
+
+    handle, listen = p.listen(0)
+    buf = ctypes.create_string_buffer(handle, 128)
+    send = recv = None
+    while not (send and recv):  # one thread alternates, as both calls must not block
+        send = send or p.connect_once(buf)
+        recv = recv or p.accept_once(listen)
+    return listen, send, recv
+
+
+@pytest.mark.parametrize("nstreams", ["1", "3", "8"])
+def test_nstreams_sets_the_tcp_streams_per_connection(monkeypatch, nstreams):
+    monkeypatch.setenv("BAGUA_NET_NSTREAMS", nstreams)
+    monkeypatch.setenv("BAGUA_NET_MIN_CHUNKSIZE", "64K")
+    p = Plugin()
+    p.init()
+    listen, send, recv = _connect_in_process(p)
+    try:
+        assert [n for n, _ in _threads("bagua-net-tx")] == ["bagua-net-tx"] * int(nstreams)
+        assert [n for n, _ in _threads("bagua-net-rx")] == ["bagua-net-rx"] * int(nstreams)
+        data = bytearray(os.urandom(1 << 20))
+        out = bytearray(1 << 20)
+        req = p.irecv(recv, out, len(out))
+        assert p.send(send, data) == len(data) and p.wait(req) == len(data) and out == data
+    finally:
+        p.close_send(send)
+        p.close_recv(recv)
+        p.close_listen(listen)
+    assert _threads("bagua-net") == []  # closing joins every stream thread
+
+
+def test_stream_threads_sleep_when_idle(monkeypatch):
+    monkeypatch.setenv("BAGUA_NET_NSTREAMS", "4")
+    p = Plugin()
+    p.init()
+    listen, send, recv = _connect_in_process(p)
+    try:
+        data, out = bytearray(4 << 20), bytearray(4 << 20)
+        req = p.irecv(recv, out, len(out))
+        p.send(send, data)
+        p.wait(req)
+        states = []
+        for _ in range(5):  # a spinning thread would show up running in these samples
+            time.sleep(0.02)
+            states += [s for _, s in _threads("bagua-net")]
+        assert len(states) == 5 * 8 and set(states) == {"S"}
+    finally:
+        p.close_send(send)
+        p.close_recv(recv)
+        p.close_listen(listen)
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("BAGUA_NET_NSTREAMS", "0"), ("BAGUA_NET_NSTREAMS", "65"), ("BAGUA_NET_NSTREAMS", "four"),
+    ("BAGUA_NET_MIN_CHUNKSIZE", "100"), ("BAGUA_NET_MIN_CHUNKSIZE", "1X"),
+    ("BAGUA_NET_MIN_CHUNKSIZE", "-1M"),
+])
+def test_invalid_values_fail_init_with_a_warning_naming_the_variable(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    p = Plugin()
+    with pytest.raises(PluginError) as err:
+        p.init()
+    assert err.value.code == INVALID_ARGUMENT
+    assert any(line.startswith("WARN") and f"{name}={value}" in line for line in p.log)
+
+
+@pytest.mark.parametrize("value", ["4096", "64K", "2M", "1G"])
+def test_chunk_size_accepts_bytes_and_binary_suffixes(monkeypatch, value):
+    monkeypatch.setenv("BAGUA_NET_MIN_CHUNKSIZE", value)
+    p = Plugin()
+    p.init()
+    size = int(value[:-1]) << {"K": 10, "M": 20, "G": 30}[value[-1]] if value[-1] in "KMG" \
+        else int(value)
+    assert any(f"chunks >= {size} bytes" in line for line in p.log)
+
+
+@pytest.mark.parametrize(("spec", "expect_lo"), [("lo", True), ("=lo", True), ("l", True),
+                                                 ("=l", False), ("^lo", False),
+                                                 ("nosuchif", False)])
+def test_socket_ifname_follows_nccls_syntax(monkeypatch, spec, expect_lo):
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", spec)
+    names = [name for name, _, _ in bagua_net.interfaces()]
+    assert ("lo" in names) == expect_lo
+    if spec.startswith("^"):
+        assert all(not n.startswith("lo") for n in names)
+
+
+def test_loopback_is_used_as_ipv4():
+    assert bagua_net.interfaces()[0][:2] == ("lo", "127.0.0.1")
+
+
+def test_no_matching_interface_fails_init():
+    code = ("from bagua_net.testing import Plugin, PluginError\n"
+            "p = Plugin()\n"
+            "try:\n    p.init()\nexcept PluginError as e:\n    print(e.code, p.log[-1])\n")
+    env = dict(os.environ, NCCL_SOCKET_IFNAME="=nosuchif0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.stdout.startswith(f"{SYSTEM_ERROR} WARN"), out.stdout + out.stderr
+    assert "NCCL_SOCKET_IFNAME==nosuchif0" in out.stdout
