@@ -272,6 +272,7 @@ static void *send_worker(void *p) {
     bn_req_t *r = &c->reqs[c->head % BN_MAX_REQUESTS];
     uint64_t i = r->next_chunk++;
     if (r->next_chunk == r->nchunks) c->head++;
+    if (send_has_work(c)) pthread_cond_signal(&c->cv); /* more chunks: wake another stream */
     /* Chunk i of n: sizes differ by at most one byte, none below the minimum. */
     size_t base = r->size / r->nchunks, extra = r->size % r->nchunks;
     size_t off = i * base + (i < extra ? i : extra);
