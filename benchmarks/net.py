@@ -248,8 +248,8 @@ def report(link_name, streams, sizes, plugin, iperf, capped) -> None:
           f"(iperf3 -P N below, same link)")
     print(f"{'size':>10} " + " ".join(f"{f'N={n}':>9}" for n in streams))
     for s in sizes:
-        print(f"{_fmt_size(s):>10} " + " ".join(f"{plugin[n][s]:9.3f}" for n in streams))
-    print(f"{'iperf3':>10} " + " ".join(f"{iperf[n]:9.3f}" for n in streams))
+        print(f"{_fmt_size(s):>10} " + " ".join(f"{plugin[n][s]:9.4f}" for n in streams))
+    print(f"{'iperf3':>10} " + " ".join(f"{iperf[n]:9.4f}" for n in streams))
     big = max(sizes)
     print(f"{'ratio':>10} " + " ".join(f"{plugin[n][big] / iperf[n]:9.2f}" for n in streams)
           + f"   (bagua-net at {_fmt_size(big)} / iperf3 -P N)")

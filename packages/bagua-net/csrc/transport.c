@@ -478,7 +478,7 @@ bn_result_t bn_isend(void *send_comm, void *data, size_t size, int tag, void **r
     r->size = size;
     uint64_t n = size / c->min_chunk;
     r->nchunks = n > 0 ? n : 1;
-    pthread_cond_broadcast(&c->cv);
+    pthread_cond_signal(&c->cv); /* one stream takes it; it wakes another if chunks remain */
   }
   pthread_mutex_unlock(&c->mu);
   *request = r;
