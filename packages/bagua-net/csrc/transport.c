@@ -390,7 +390,10 @@ static void comm_destroy(bn_comm_t *c) {
 /* Build a comm over connected sockets (ownership passes to it) and start its threads. */
 bn_comm_t *bn_comm_create(int is_send, int nstreams, const int *fds, size_t min_chunk) {
   bn_comm_t *c = calloc(1, sizeof(*c));
-  if (c == NULL) return NULL;
+  if (c == NULL) {
+    for (int i = 0; i < nstreams; i++) close(fds[i]);
+    return NULL;
+  }
   c->is_send = is_send;
   c->nstreams = nstreams;
   c->min_chunk = min_chunk;
@@ -405,18 +408,22 @@ bn_comm_t *bn_comm_create(int is_send, int nstreams, const int *fds, size_t min_
   socklen_t plen = sizeof(peer);
   if (getpeername(fds[0], &peer.sa, &plen) == 0) bn_format_addr(&peer.sa, c->peer, sizeof(c->peer));
   else snprintf(c->peer, sizeof(c->peer), "?");
+  pthread_attr_t attr; /* stream threads need little stack; NCCL may open hundreds of them */
+  pthread_attr_init(&attr);
+  pthread_attr_setstacksize(&attr, 256 * 1024);
   for (int i = 0; i < nstreams; i++) {
     bn_worker_arg_t *arg = malloc(sizeof(*arg));
     if (arg == NULL) break;
     arg->comm = c;
     arg->stream = i;
-    if (pthread_create(&c->threads[i], NULL, is_send ? send_worker : recv_worker, arg) != 0) {
+    if (pthread_create(&c->threads[i], &attr, is_send ? send_worker : recv_worker, arg) != 0) {
       free(arg);
       break;
     }
     pthread_setname_np(c->threads[i], is_send ? "bagua-net-tx" : "bagua-net-rx");
     c->nthreads++;
   }
+  pthread_attr_destroy(&attr);
   if (c->nthreads != nstreams) {
     BN_WARN("NET/BaguaNet: could not start %d stream threads", nstreams);
     comm_destroy(c);

@@ -22,6 +22,20 @@ def payload(seed: int, size: int) -> bytearray:
     return out
 
 
+def connect_in_process(p):
+    """Both ends in this process: one thread alternates connect() and accept(), which works
+    only because neither blocks. Returns (listen, send, recv) comms."""
+    import ctypes
+
+    handle, listen = p.listen(0)
+    buf = ctypes.create_string_buffer(handle, len(handle))
+    send = recv = None
+    while not (send and recv):
+        send = send or p.connect_once(buf)
+        recv = recv or p.accept_once(listen)
+    return listen, send, recv
+
+
 def _listen_side(conn, version=12):
     p = Plugin(version)
     p.init()

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _net_scenarios import connect_in_process
 
 import bagua_net
 from bagua_net.testing import Plugin, PluginError
@@ -29,25 +30,13 @@ def _threads(prefix):
     return out
 
 
-def _connect_in_process(p):
-    import ctypes
-
-    handle, listen = p.listen(0)
-    buf = ctypes.create_string_buffer(handle, 128)
-    send = recv = None
-    while not (send and recv):  # one thread alternates, as both calls must not block
-        send = send or p.connect_once(buf)
-        recv = recv or p.accept_once(listen)
-    return listen, send, recv
-
-
 @pytest.mark.parametrize("nstreams", ["1", "3", "8"])
 def test_nstreams_sets_the_tcp_streams_per_connection(monkeypatch, nstreams):
     monkeypatch.setenv("BAGUA_NET_NSTREAMS", nstreams)
     monkeypatch.setenv("BAGUA_NET_MIN_CHUNKSIZE", "64K")
     p = Plugin()
     p.init()
-    listen, send, recv = _connect_in_process(p)
+    listen, send, recv = connect_in_process(p)
     try:
         assert [n for n, _ in _threads("bagua-net-tx")] == ["bagua-net-tx"] * int(nstreams)
         assert [n for n, _ in _threads("bagua-net-rx")] == ["bagua-net-rx"] * int(nstreams)
@@ -66,7 +55,7 @@ def test_stream_threads_sleep_when_idle(monkeypatch):
     monkeypatch.setenv("BAGUA_NET_NSTREAMS", "4")
     p = Plugin()
     p.init()
-    listen, send, recv = _connect_in_process(p)
+    listen, send, recv = connect_in_process(p)
     try:
         data, out = bytearray(4 << 20), bytearray(4 << 20)
         req = p.irecv(recv, out, len(out))

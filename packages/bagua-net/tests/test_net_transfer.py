@@ -2,6 +2,7 @@
 
 import pytest
 from _net_scenarios import (
+    connect_in_process,
     handshake_connector,
     handshake_listener,
     receive_many_connections,
@@ -12,7 +13,7 @@ from _net_scenarios import (
     send_window,
 )
 
-from bagua_net.testing import run_pair
+from bagua_net.testing import Plugin, PluginError, run_pair
 
 MiB = 1 << 20
 SIZES = [0, 1, 7, 4095, 4096, 65_537, MiB - 1, MiB, MiB + 1, 3 * MiB + 7, 64 * MiB]
@@ -56,3 +57,22 @@ def test_several_connections_at_once():
     got, sent = run_pair(receive_many_connections, send_many_connections, (4, 3 * MiB + 1, 9),
                          env={"BAGUA_NET_NSTREAMS": "2"})
     assert got == sent and len(set(sent)) == 4
+
+
+def test_a_message_larger_than_the_posted_receive_is_an_error():
+    p = Plugin()
+    p.init()
+    listen, send, recv = connect_in_process(p)
+    try:
+        small, data = bytearray(50), bytearray(range(100))
+        req = p.irecv(recv, small, len(small))
+        p.send(send, data)
+        with pytest.raises(PluginError) as err:
+            p.wait(req, timeout=30)
+        assert err.value.code == 5  # ncclInvalidUsage
+        assert any("has 100 bytes but the posted receive holds 50" in line for line in p.log)
+        assert small == bytearray(50)  # nothing was written past, or into, the small buffer
+    finally:
+        p.close_send(send)
+        p.close_recv(recv)
+        p.close_listen(listen)
