@@ -22,11 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
+import queue
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,32 +47,39 @@ def _role_recv(args) -> None:
     recv = p.accept(listen, timeout=120)
     for size, count in _plan(args.sizes, args.budget):
         bufs = [bytearray(size) for _ in range(min(DEPTH, count))]
-        pending, posted, done = [], 0, 0
-        while posted < len(bufs):
-            pending.append(p.irecv(recv, bufs[posted], size))
-            posted += 1
+        free, pending, done = list(range(len(bufs))), [], 0
+        posted = _post_receives(p, recv, bufs, size, free, pending, count)
         t0 = time.perf_counter()
         print("READY", size, flush=True)  # the parent lets the sender go
-        pending = list(enumerate(pending))
         while done < count:
-            still, progressed = [], False
+            still = []
             for i, req in pending:
                 if p.test(req)[0]:
                     done += 1
-                    progressed = True
-                    if posted < count:
-                        still.append((i, p.irecv(recv, bufs[i], size)))
-                        posted += 1
+                    free.append(i)
                 else:
                     still.append((i, req))
-            if not progressed:
+            if len(still) == len(pending):
                 time.sleep(1e-4)  # nothing finished: do not spin a core the streams need
-            pending = still
+            pending[:] = still
+            posted += _post_receives(p, recv, bufs, size, free, pending, count - posted)
         seconds = time.perf_counter() - t0
         print("RESULT", json.dumps({"size": size, "count": count, "seconds": seconds}),
               flush=True)
     p.close_recv(recv)
     p.close_listen(listen)
+
+
+def _post_receives(p, recv, bufs, size, free, pending, left) -> int:
+    """Post receives into free buffers (at most ``left``); returns how many were posted."""
+    n = 0
+    while free and n < left:
+        req = p.irecv(recv, bufs[free[-1]], size)
+        if req is None:  # the plugin cannot take it now: try again later
+            break
+        pending.append((free.pop(), req))
+        n += 1
+    return n
 
 
 def _role_send(args) -> None:
@@ -162,16 +170,30 @@ class Namespaces:
         return len(set(classes)) == len(classes)
 
 
-def _expect(proc, word, timeout=300.0):
-    """The next line from a role, which must start with ``word``."""
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
-        raise TimeoutError(f"no {word} from a benchmark role within {timeout:g} s")
-    line = proc.stdout.readline()
-    if not line.startswith(word):
-        err = proc.stderr.read() if proc.poll() is not None else ""
-        raise RuntimeError(f"expected {word} from a benchmark role, got {line!r} {err[-2000:]}")
-    return line.split(maxsplit=1)[1].strip()
+class _Lines:
+    """A role's stdout read by a thread, so that waiting for a line can time out."""
+
+    def __init__(self, proc):
+        self.proc, self.lines = proc, queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")
+
+    def expect(self, word: str, timeout: float = 300.0) -> str:
+        """The rest of the next line, which must start with ``word``."""
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no {word} from a benchmark role within {timeout:g} s") from None
+        if not line.startswith(word):
+            self.proc.wait(timeout=10)
+            err = self.proc.stderr.read()
+            raise RuntimeError(f"expected {word} from a benchmark role, got {line!r}: "
+                               f"{err[-2000:]}")
+        return line.split(maxsplit=1)[1].strip()
 
 
 def run_plugin(link, nstreams: int, sizes: list[int], budget: int) -> dict[int, float]:
@@ -185,19 +207,20 @@ def run_plugin(link, nstreams: int, sizes: list[int], budget: int) -> dict[int, 
         recv = link.popen(1, [*me, "--role", "recv", *common], env, **kw)
         send = None
         try:
-            handle = _expect(recv, "HANDLE")
+            recv_out = _Lines(recv)
+            handle = recv_out.expect("HANDLE")
             send = link.popen(0, [*me, "--role", "send", "--handle", handle, *common], env, **kw)
-            ports = [int(x) for x in _expect(send, "PORTS").split(",")]
+            ports = [int(x) for x in _Lines(send).expect("PORTS").split(",")]
             if len(ports) != nstreams:
                 raise RuntimeError(f"sender has {len(ports)} TCP streams, expected {nstreams}")
             if not link.distinct(ports):
                 continue  # two streams in one cap class: make the connection again
             out = {}
             for _ in sizes:
-                _expect(recv, "READY")
+                recv_out.expect("READY")
                 send.stdin.write("GO\n")
                 send.stdin.flush()
-                res = json.loads(_expect(recv, "RESULT"))
+                res = json.loads(recv_out.expect("RESULT"))
                 out[res["size"]] = res["size"] * res["count"] / res["seconds"] / 1e9
             send.wait(timeout=120)
             recv.wait(timeout=120)

@@ -255,9 +255,19 @@ static void comm_fail(bn_comm_t *c, int code, const char *fmt, ...) {
   pthread_cond_broadcast(&c->cv);
 }
 
-static int send_has_work(const bn_comm_t *c) {
-  const bn_req_t *r = &c->reqs[c->head % BN_MAX_REQUESTS];
-  return r->used && r->seq == c->head && r->next_chunk < r->nchunks;
+/* The outstanding request for message ``seq``, or NULL if it is not posted (yet). Requests
+ * take any free slot, so a slow message never keeps a newer one from being posted. Caller
+ * holds c->mu. */
+static bn_req_t *find_req(bn_comm_t *c, uint32_t seq) {
+  for (int i = 0; i < BN_MAX_REQUESTS; i++) {
+    if (c->reqs[i].used && c->reqs[i].seq == seq) return &c->reqs[i];
+  }
+  return NULL;
+}
+
+static bn_req_t *send_work(bn_comm_t *c) {
+  bn_req_t *r = find_req(c, c->head);
+  return r != NULL && r->next_chunk < r->nchunks ? r : NULL;
 }
 
 static void *send_worker(void *p) {
@@ -267,12 +277,13 @@ static void *send_worker(void *p) {
   free(arg);
   pthread_mutex_lock(&c->mu);
   for (;;) {
-    while (!c->closing && c->error == 0 && !send_has_work(c)) pthread_cond_wait(&c->cv, &c->mu);
+    bn_req_t *r;
+    while (!c->closing && c->error == 0 && (r = send_work(c)) == NULL)
+      pthread_cond_wait(&c->cv, &c->mu);
     if (c->closing || c->error != 0) break;
-    bn_req_t *r = &c->reqs[c->head % BN_MAX_REQUESTS];
     uint64_t i = r->next_chunk++;
     if (r->next_chunk == r->nchunks) c->head++;
-    if (send_has_work(c)) pthread_cond_signal(&c->cv); /* more chunks: wake another stream */
+    if (send_work(c) != NULL) pthread_cond_signal(&c->cv); /* more chunks: wake a stream */
     /* Chunk i of n: sizes differ by at most one byte, none below the minimum. */
     size_t base = r->size / r->nchunks, extra = r->size % r->nchunks;
     size_t off = i * base + (i < extra ? i : extra);
@@ -326,8 +337,8 @@ static void *recv_worker(void *p) {
       comm_fail(c, BN_REMOTE_ERROR, "corrupt chunk header from %s on stream %d", c->peer, stream);
       break;
     }
-    bn_req_t *r = &c->reqs[hdr.seq % BN_MAX_REQUESTS];
-    while (!c->closing && c->error == 0 && !(r->used && r->seq == hdr.seq))
+    bn_req_t *r;
+    while (!c->closing && c->error == 0 && (r = find_req(c, hdr.seq)) == NULL)
       pthread_cond_wait(&c->cv, &c->mu);
     if (c->closing || c->error != 0) break;
     if (r->total == SIZE_MAX) {
@@ -462,11 +473,14 @@ static bn_result_t report_error(bn_comm_t *c) {
   return (bn_result_t)err;
 }
 
-/* Take the next free request slot (in sequence order), or NULL when NCCL_NET_MAX_REQUESTS
- * requests are still outstanding. Caller holds c->mu. */
+/* A free request slot for the next message, or NULL when NCCL_NET_MAX_REQUESTS requests are
+ * still outstanding. Caller holds c->mu. */
 static bn_req_t *take_slot(bn_comm_t *c) {
-  bn_req_t *r = &c->reqs[c->next_seq % BN_MAX_REQUESTS];
-  if (r->used) return NULL;
+  bn_req_t *r = NULL;
+  for (int i = 0; i < BN_MAX_REQUESTS && r == NULL; i++) {
+    if (!c->reqs[i].used) r = &c->reqs[i];
+  }
+  if (r == NULL) return NULL;
   memset(r, 0, sizeof(*r));
   r->comm = c;
   r->used = 1;
