@@ -25,6 +25,7 @@ import os
 import queue
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -261,6 +262,20 @@ def run_iperf3(link, nstreams: int, seconds: float) -> float:
     raise RuntimeError("could not get distinct cap classes for iperf3's streams")
 
 
+def measure(link, streams, sizes, budget, iperf_seconds, repeat):
+    """Median GB/s over ``repeat`` rounds, each running the plugin and iperf3 for every N
+    back to back (so a busy machine slows both alike)."""
+    runs_p = {n: [] for n in streams}
+    runs_i = {n: [] for n in streams}
+    for _ in range(repeat):
+        for n in streams:
+            runs_p[n].append(run_plugin(link, n, sizes, budget))
+            runs_i[n].append(run_iperf3(link, n, iperf_seconds))
+    plugin = {n: {s: statistics.median(r[s] for r in runs_p[n]) for s in sizes} for n in streams}
+    iperf = {n: statistics.median(runs_i[n]) for n in streams}
+    return plugin, iperf
+
+
 # -- report -----------------------------------------------------------------------------------
 def _fmt_size(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
@@ -306,6 +321,9 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", default=None, help="comma list (default 1,2,4,8)")
     ap.add_argument("--sizes", default=None, help="comma list, K/M suffixes (64K..256M)")
     ap.add_argument("--per-flow-mbit", type=float, default=100.0)
+    ap.add_argument("--repeat", type=int, default=0,
+                    help="rounds per point, median reported (default: loopback 3, quick 2; "
+                         "veth 1)")
     ap.add_argument("--role", choices=["recv", "send"], help=argparse.SUPPRESS)
     ap.add_argument("--handle", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
@@ -328,10 +346,10 @@ def main(argv=None) -> int:
         sizes = _sizes(args.sizes) if args.sizes else ([64 * KiB, MiB, 16 * MiB] if args.quick
                                                         else full)
         budget = (64 if args.quick else 512) * MiB
-        link = Loopback()
-        plugin = {n: run_plugin(link, n, sizes, budget) for n in streams}
-        iperf = {n: run_iperf3(link, n, 1 if args.quick else 3) for n in streams}
-        report("loopback", streams, sizes, plugin, iperf, capped=False)
+        plugin, iperf = measure(Loopback(), streams, sizes, budget, 1 if args.quick else 3,
+                                args.repeat or (2 if args.quick else 3))
+        report(f"loopback, median of {args.repeat or (2 if args.quick else 3)} runs", streams,
+               sizes, plugin, iperf, capped=False)
     if args.link in ("netns", "both"):
         sys.path.insert(0, str(HERE))
         try:
@@ -348,8 +366,8 @@ def main(argv=None) -> int:
         with Testbed(n_hosts=2, bandwidth_mbit=None, per_flow_mbit=args.per_flow_mbit,
                      name="bnet") as tb:
             link = Namespaces(tb, flow_class, args.per_flow_mbit)
-            plugin = {n: run_plugin(link, n, sizes, budget) for n in streams}
-            iperf = {n: run_iperf3(link, n, 2 if args.quick else 5) for n in streams}
+            plugin, iperf = measure(link, streams, sizes, budget, 2 if args.quick else 5,
+                                    args.repeat or 1)
         report(link.name, streams, sizes, plugin, iperf, capped=True)
     return 0
 

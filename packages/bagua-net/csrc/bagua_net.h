@@ -12,7 +12,7 @@
 #define BN_EXPORT __attribute__((visibility("default")))
 #define BN_MAX_DEVS 16
 #define BN_MAX_STREAMS 64
-#define BN_DEFAULT_NSTREAMS 4
+#define BN_DEFAULT_NSTREAMS 8
 #define BN_DEFAULT_MIN_CHUNK ((size_t)1 << 20)
 
 /* One network device: an interface selected by NCCL_SOCKET_IFNAME. */

@@ -31,8 +31,8 @@ def test_handshake_and_first_message_through_every_table(version):
         assert props["vProps"] == [0] and props["maxP2pBytes"] >= 1 << 31
     if version == 12:
         assert props["railId"] == -1 and props["planeId"] == -1
-    # the handshake is logged through NCCL's logger, with the default of 4 streams
-    assert any("accepted a connection" in line and "4 streams" in line
+    # the handshake is logged through NCCL's logger, with the default of 8 streams
+    assert any("accepted a connection" in line and "8 streams" in line
                for line in listener["log"])
 
 

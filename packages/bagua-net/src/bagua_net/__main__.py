@@ -28,7 +28,7 @@ def main(argv=None) -> int:
         print(f"  {name:<12} {addr:<40} {speed} Mb/s")
     if not found:
         print("  none: the plugin's init() would fail; set NCCL_SOCKET_IFNAME")
-    print(f"streams per connection: {os.environ.get('BAGUA_NET_NSTREAMS', '4 (default)')}, "
+    print(f"streams per connection: {os.environ.get('BAGUA_NET_NSTREAMS', '8 (default)')}, "
           f"min chunk: {os.environ.get('BAGUA_NET_MIN_CHUNKSIZE', '1 MiB (default)')}")
     if args.check_nccl is None:
         return 0
