@@ -202,7 +202,8 @@ def receiver_outlives_sender(conn, size):
 def sender_dies_midway(conn, size):
     p, send = _connect_side(conn)
     conn.recv()
-    p.isend(send, payload(1, size), size)
+    buf = bytearray(size)  # far more than the kernel buffers of all streams hold
+    p.isend(send, buf, size)
     os._exit(0)  # with the message partly on the wire
 
 
