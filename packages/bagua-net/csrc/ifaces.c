@@ -2,9 +2,11 @@
  *   "eth,ib"     interfaces whose name starts with eth or ib
  *   "=eth0"      exactly eth0 (the '=' applies to every item of the list)
  *   "^docker,lo" every interface except those starting with docker or lo
- * An item may carry ":port", which is ignored. Unset: "ib" interfaces, else everything but
- * docker* and lo*, else docker*, else lo. NCCL_SOCKET_FAMILY=AF_INET|AF_INET6 restricts the
- * address family. Each interface is one device, with its first usable address. */
+ * An item may carry ":port", which is ignored. Unset (or one character, as NCCL reads it):
+ * "ib" interfaces, else everything but docker*, lo* and virbr*, else docker*, else lo, else
+ * virbr*. Only running interfaces count. NCCL_SOCKET_FAMILY=AF_INET|AF_INET6 restricts the
+ * address family. Each interface is one device, with its first usable address (IPv6 loopback
+ * and link-local addresses are skipped: a peer could not reach them). */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <ifaddrs.h>
@@ -71,7 +73,7 @@ static int find_with(const char *spec, int family, bn_dev_t *devs, int max_devs)
   if (getifaddrs(&list) != 0) return 0;
   int n = 0;
   for (struct ifaddrs *it = list; it != NULL && n < max_devs; it = it->ifa_next) {
-    if (it->ifa_addr == NULL || !(it->ifa_flags & IFF_UP)) continue;
+    if (it->ifa_addr == NULL || !(it->ifa_flags & IFF_RUNNING)) continue;
     int fam = it->ifa_addr->sa_family;
     if (fam != AF_INET && fam != AF_INET6) continue;
     if (family != 0 && fam != family) continue;
@@ -103,8 +105,8 @@ int bn_find_devices(bn_dev_t *devs, int max_devs) {
   if (fam != NULL && strcmp(fam, "AF_INET") == 0) family = AF_INET;
   if (fam != NULL && strcmp(fam, "AF_INET6") == 0) family = AF_INET6;
   const char *spec = getenv("NCCL_SOCKET_IFNAME");
-  if (spec != NULL && *spec != '\0') return find_with(spec, family, devs, max_devs);
-  static const char *const fallbacks[] = {"ib", "^docker,lo", "docker", "lo"};
+  if (spec != NULL && strlen(spec) > 1) return find_with(spec, family, devs, max_devs);
+  static const char *const fallbacks[] = {"ib", "^docker,lo,virbr", "docker", "lo", "virbr"};
   for (size_t i = 0; i < sizeof(fallbacks) / sizeof(fallbacks[0]); i++) {
     int n = find_with(fallbacks[i], family, devs, max_devs);
     if (n > 0) return n;

@@ -96,9 +96,9 @@ def test_chunk_size_accepts_bytes_and_binary_suffixes(monkeypatch, value):
     assert any(f"chunks >= {size} bytes" in line for line in p.log)
 
 
-@pytest.mark.parametrize(("spec", "expect_lo"), [("lo", True), ("=lo", True), ("l", True),
-                                                 ("=l", False), ("^lo", False),
-                                                 ("nosuchif", False)])
+@pytest.mark.parametrize(("spec", "expect_lo"), [("lo", True), ("=lo", True), ("nosuch,lo", True),
+                                                 ("lo:5000", True), ("=l", False), ("^lo", False),
+                                                 ("^nosuch,lo", False), ("nosuchif", False)])
 def test_socket_ifname_follows_nccls_syntax(monkeypatch, spec, expect_lo):
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", spec)
     names = [name for name, _, _ in bagua_net.interfaces()]

@@ -5,6 +5,7 @@ bytes over it intact."""
 import os
 import shutil
 import subprocess
+import time
 
 import pytest
 from _net_scenarios import netns_receive, netns_send
@@ -44,6 +45,11 @@ def veth_pair():
             if res.returncode != 0:
                 pytest.skip(f"a veth link cannot be set up here: ip {' '.join(step)}: "
                             f"{res.stderr.strip()}")
+        for name, dev in zip(ns, (f"{tag}x", f"{tag}y")):  # the carrier comes up a bit later
+            for _ in range(100):
+                if "LOWER_UP" in _ip("-n", name, "link", "show", "dev", dev).stdout:
+                    break
+                time.sleep(0.05)
         yield ns, (f"{tag}x", f"{tag}y")
     finally:
         for name in made:  # deleting a namespace removes its end of the veth pair

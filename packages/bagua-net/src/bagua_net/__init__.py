@@ -43,7 +43,8 @@ def interfaces() -> list[tuple[str, str, int]]:
 
     Selected exactly as the plugin does at ``init``: ``NCCL_SOCKET_IFNAME`` (NCCL's syntax:
     ``eth0,eth1`` prefixes, ``=eth0`` exact names, ``^docker,lo`` exclusions) and
-    ``NCCL_SOCKET_FAMILY``; unset, every interface but ``docker*`` and ``lo*``, else ``lo``.
+    ``NCCL_SOCKET_FAMILY``; unset, as NCCL: ``ib*``, else all but ``docker*``/``lo*``/``virbr*``,
+    else ``docker*``, else ``lo``.
     Loads the library but starts nothing.
     """
     lib = ctypes.CDLL(library_path())
