@@ -1,14 +1,18 @@
 /* The multi-stream TCP transport behind every exported plugin version: configuration,
  * devices, comms and the data path (connection set-up is in handshake.c).
  *
- * A connection is BAGUA_NET_NSTREAMS TCP streams. A message (one isend) is cut into chunks of at least BAGUA_NET_MIN_CHUNKSIZE bytes (one
- * chunk when it is smaller). Each stream has a thread that takes the next chunk from the
- * comm's queue (so faster streams carry more) and writes a 32-byte header {magic, sequence
- * number, message size, offset, length} followed by the bytes. On the receiving side each
- * stream has a thread that reads a header, waits for the matching irecv (k-th isend matches
- * k-th irecv), and reads the bytes straight into the posted buffer at that offset; a message
- * is done when all of its bytes have arrived. Threads sleep on a condition variable or in a
- * blocking socket call when there is nothing to do. test() reads one flag.
+ * A connection is BAGUA_NET_NSTREAMS TCP streams. A message (one isend) is cut into
+ * floor(size / BAGUA_NET_MIN_CHUNKSIZE) chunks of equal size (give or take a byte), so none is
+ * smaller than the minimum (one chunk when the message is smaller). Each stream has a thread
+ * that takes the next chunk from the comm's queue (so faster streams carry more) and writes a
+ * 32-byte header {magic, sequence number, message size, offset, length} followed by the bytes.
+ * A sender's close ends each stream with a header whose offset is BN_END_OF_STREAM.
+ *
+ * On the receiving side each stream has a thread that reads a header, waits for the matching
+ * irecv (k-th isend matches k-th irecv), and reads the bytes straight into the posted buffer
+ * at that offset; a message is done when all of its bytes have arrived. Threads sleep on a condition variable or in a
+ * blocking socket call when there is nothing to do. test() reads one flag. A request takes
+ * any of the 32 slots; threads find it by sequence number.
  *
  * A failure on any stream (peer gone, reset, bad header) marks the whole comm failed: pending
  * and later requests report it through test()'s return code, and the logger names the cause.
