@@ -10,9 +10,9 @@
  *
  * On the receiving side each stream has a thread that reads a header, waits for the matching
  * irecv (k-th isend matches k-th irecv), and reads the bytes straight into the posted buffer
- * at that offset; a message is done when all of its bytes have arrived. Threads sleep on a condition variable or in a
- * blocking socket call when there is nothing to do. test() reads one flag. A request takes
- * any of the 32 slots; threads find it by sequence number.
+ * at that offset; a message is done when all of its bytes have arrived. Threads sleep on a
+ * condition variable or in a blocking socket call when there is nothing to do. test() reads
+ * one flag. A request takes any of the 32 slots; threads find it by sequence number.
  *
  * A failure on any stream (peer gone, reset, bad header) marks the whole comm failed: pending
  * and later requests report it through test()'s return code, and the logger names the cause.
