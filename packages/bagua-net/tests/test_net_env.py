@@ -120,3 +120,73 @@ def test_no_matching_interface_fails_init():
                          timeout=60, env=env)
     assert out.stdout.startswith(f"{SYSTEM_ERROR} WARN"), out.stdout + out.stderr
     assert "NCCL_SOCKET_IFNAME==nosuchif0" in out.stdout
+
+
+def _plugin_sockets():
+    """This process's connected TCP sockets, as (local_port, socket) on duplicated fds."""
+    import socket
+
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        try:
+            sock.getpeername()
+        except OSError:
+            sock.close()  # listening or unconnected
+            continue
+        if sock.type == socket.SOCK_STREAM:
+            out.append((sock.getsockname()[1], sock))
+        else:
+            sock.close()
+    return out
+
+
+@pytest.mark.parametrize(("min_chunk", "streams_used"), [("64K", 4), ("8M", 1)])
+def test_a_message_is_spread_over_the_streams_in_chunks(monkeypatch, min_chunk, streams_used):
+    import ctypes
+    import socket
+    import struct
+
+    monkeypatch.setenv("BAGUA_NET_NSTREAMS", "4")
+    monkeypatch.setenv("BAGUA_NET_MIN_CHUNKSIZE", min_chunk)
+    p = Plugin()
+    p.init()
+    handle, listen = p.listen(0)
+    port = int.from_bytes(handle[10:12], "big")  # the handle carries the listen sockaddr_in
+    buf = ctypes.create_string_buffer(handle, len(handle))
+    send = recv = None
+    while not (send and recv):
+        send = send or p.connect_once(buf)
+        recv = recv or p.accept_once(listen)
+    socks = _plugin_sockets()
+    try:
+        # Small kernel buffers, so one stream cannot swallow the whole message while the
+        # receive is not posted yet: the other streams' threads must take chunks too.
+        for _, sock in socks:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 << 10)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
+        size = 4 << 20
+        data, out = bytearray(os.urandom(size)), bytearray(size)
+        sreq = p.isend(send, data, size)
+        time.sleep(0.3)
+        rreq = p.irecv(recv, out, size)
+        assert p.wait(rreq) == size and p.wait(sreq) == size and out == data
+        hello = 24
+        per_stream = sorted(
+            struct.unpack_from("Q", s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256),
+                               128)[0] - hello  # tcpi_bytes_received
+            for lport, s in socks if lport == port)
+        assert len(per_stream) == 4
+        assert sum(per_stream) == size + 32 * (64 if min_chunk == "64K" else 1)  # + headers
+        assert sum(1 for n in per_stream if n > 0) == streams_used
+    finally:
+        for _, sock in socks:
+            sock.close()
+        p.close_send(send)
+        p.close_recv(recv)
+        p.close_listen(listen)
