@@ -1,5 +1,6 @@
 """python -m bagua_net: the plugin's location, its interfaces, and whether a libnccl loads it."""
 
+import os
 import subprocess
 import sys
 
@@ -57,5 +58,10 @@ def test_main_prints_the_plugin_interfaces_and_the_verdict(tmp_path):
     assert bagua_net.library_path() in out.stdout
     assert "lo " in out.stdout and "127.0.0.1" in out.stdout  # NCCL_SOCKET_IFNAME=lo
     assert "would load: yes, BaguaNet through ncclNetPlugin_v12" in out.stdout
+    assert "init: ok, 1 device(s)" in out.stdout
+    env = dict(os.environ, NCCL_SOCKET_IFNAME="=nosuchif0")
+    none = _main("--check-nccl", _fake_libnccl(tmp_path, [12]), env=env)
+    assert none.returncode == 1 and "init: fails" in none.stdout
+    assert "no usable network interface" in none.stdout
     bad = _main("--check-nccl", _fake_libnccl(tmp_path, [4, 3], "old.so"))
     assert bad.returncode == 1 and "would load: no" in bad.stdout

@@ -46,13 +46,30 @@ def main(argv=None) -> int:
           f"plugin exports v{{{','.join(map(str, res.exported))}}}")
     if res.loads:
         print(f"  would load: yes, BaguaNet through ncclNetPlugin_v{res.chosen}")
-        return 0
+        return _check_init(res.chosen)
     if not res.probed:
         print("  would load: no (the file names no ncclNetPlugin_v<N> symbol: not a libnccl?)")
         return 1
     print("  would load: no (no interface version in common)" if res.chosen is None else
           f"  would load: no (table v{res.chosen} is named {res.names.get(res.chosen)!r})")
     return 1
+
+
+def _check_init(version: int) -> int:
+    """Call the table's init() and devices() as NCCL would next (NCCL falls back to its own
+    transports when init fails, e.g. when no interface matches)."""
+    from bagua_net.testing import Plugin, PluginError
+
+    plugin = Plugin(version)
+    try:
+        plugin.init()
+        ndev = plugin.devices()
+    except PluginError as err:
+        warn = [line for line in plugin.log if line.startswith("WARN")]
+        print(f"  init: fails ({warn[-1] if warn else err}); NCCL would fall back to its own")
+        return 1
+    print(f"  init: ok, {ndev} device(s)")
+    return 0
 
 
 if __name__ == "__main__":
