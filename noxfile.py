@@ -154,6 +154,36 @@ def lint(session: nox.Session) -> None:
     session.run("lint-imports", env={"PYTHONPATH": src})
 
 
+# What the benchmarks need beyond the packages: the plot and the live table.
+BENCH_EXTRAS = ["matplotlib", "rich", "tqdm"]
+
+
+def _install_stack(session: nox.Session) -> None:
+    _install_torch(session)
+    session.install(*BENCH_EXTRAS)
+    for p in PACKAGES:
+        session.install(_pkg(p))
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job, quick: torch DDP against every bagua algorithm on emulated networks."""
+    _install_stack(session)
+    session.run("python", str(ROOT / "benchmarks" / "e2e.py"), "--quick", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Every benchmark's --quick mode (benchmarks/*.py), each against the peer it measures."""
+    _install_stack(session)
+    scripts = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+    if not scripts:
+        session.error("no benchmarks/*.py found")
+    for script in scripts:
+        session.log(f"== {script.name} --quick")
+        session.run("python", str(script), "--quick", *session.posargs)
+
+
 @nox.session(venv_params=["--system-site-packages"], default=False)
 def gpu(session: nox.Session) -> None:
     """The gpu-marked tests with BAGUA_TEST_GPU=1 (they fail instead of skipping).

@@ -1,0 +1,317 @@
+"""The main job: torch DDP against every bagua algorithm, end to end, on emulated networks.
+
+    python benchmarks/e2e.py --quick                      # ~3-5 minutes on 2 cores
+    python benchmarks/e2e.py --bandwidths 100,1000,none --json out/e2e.json
+
+For each link bandwidth the testbed (benchmarks/testbed) emulates ``--hosts`` machines, each
+a network namespace behind a ``tc``-shaped link, and launches a real multi-node job with
+``torchrun --nnodes N`` (c10d rendezvous across the namespaces, gloo, one process per host,
+one thread each).  The job trains the same transformer on the same generated data with
+torch DDP and with each bagua algorithm (``bagua_algos.Algorithm.init(name)`` +
+``with_bagua``) and reports samples/s, time per step split into compute and exposed
+communication, bytes sent per rank per step (measured on the host's interface), the loss
+after a fixed number of steps and after a fixed wall time.  An algorithm bagua_algos does
+not provide is reported as unavailable, never skipped.  Where network namespaces cannot be
+made, the job runs as plain processes over loopback (unshaped only) and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _e2e_model import SIZES, MarkovText, initial_loss, make_model, num_params  # noqa: E402
+from _e2e_report import (  # noqa: E402
+    PlainConsole,
+    PlainProgress,
+    add_ratios,
+    bw_label,
+    check_targets,
+    plot,
+    table,
+)
+
+WORKER = str(HERE / "_e2e_worker.py")
+ALGORITHMS = ["ddp", "gradient_allreduce", "bytegrad", "decentralized",
+              "low_precision_decentralized", "async", "qadam"]
+QUICK = {"bandwidths": "100,none", "size": "small", "steps": 8, "wall_seconds": 6.0}
+FULL = {"bandwidths": "100,1000,none", "size": "base", "steps": 30, "wall_seconds": 30.0}
+_NUMERIC = ("samples_per_s", "step_s", "compute_s", "comm_s", "bytes_per_step",
+            "bytes_per_step_accounted", "loss", "train_loss", "loss_at_wall")
+
+
+def _bandwidths(text: str) -> list:
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if part in ("none", "unshaped", "inf"):
+            out.append(None)
+            continue
+        try:
+            value = float(part[:-1]) * 1000 if part.endswith("g") else float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"bandwidths must be Mbit/s numbers (e.g. 100, 1000, 10g) or 'none', "
+                f"got {part!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"bandwidths must be positive, got {part!r}")
+        out.append(int(value) if value == int(value) else value)
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help=f"fewer bandwidths and steps ({QUICK}); finishes in a few minutes")
+    ap.add_argument("--bandwidths", help="comma list of Mbit/s or 'none' (unshaped); "
+                    f"default {FULL['bandwidths']}")
+    ap.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    ap.add_argument("--hosts", type=int, default=2, help="emulated hosts (1 process each)")
+    ap.add_argument("--size", choices=sorted(SIZES), help="model size (default base)")
+    ap.add_argument("--steps", type=int, help="timed steps for throughput and loss@N")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--wall-seconds", type=float, help="wall time T for loss@T")
+    ap.add_argument("--batch-size", type=int, default=8, help="per rank")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--no-testbed", action="store_true", help="plain loopback processes")
+    ap.add_argument("--json", type=Path, help="write every number here")
+    ap.add_argument("--plot", type=Path, default=Path("out/e2e/e2e.png"))
+    ap.add_argument("--workdir", type=Path, default=Path("out/e2e/work"))
+    ap.add_argument("--stall-seconds", type=float, default=300.0,
+                    help="a job making no progress for this long is killed")
+    ap.add_argument("--testbed-name", default="e2e")
+    args = ap.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    try:
+        args.bandwidths = _bandwidths(args.bandwidths)
+    except argparse.ArgumentTypeError as err:
+        ap.error(str(err))
+    args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    if "ddp" not in args.algorithms:
+        args.algorithms.insert(0, "ddp")  # every ratio is against DDP from the same run
+    if args.hosts < 2:
+        ap.error(f"--hosts must be at least 2 (a distributed job), got {args.hosts}")
+    if args.steps < 1 or args.warmup < 0 or args.batch_size < 1:
+        ap.error("--steps and --batch-size must be >= 1 and --warmup >= 0")
+    return args
+
+
+class Launcher:
+    """Starts one job (all hosts) and tells whether it is still running."""
+
+    def __init__(self, args, tb):
+        self.args, self.tb = args, tb
+        self.launches = 0
+
+    def start(self, algorithms: list[str], outdir: Path) -> list[subprocess.Popen]:
+        a = self.args
+        worker = [WORKER, "--algorithms", ",".join(algorithms), "--size", a.size,
+                  "--steps", a.steps, "--warmup", a.warmup, "--wall-seconds", a.wall_seconds,
+                  "--batch-size", a.batch_size, "--lr", a.lr, "--out", outdir,
+                  "--ifname", self.tb.hosts[0].ifname if self.tb else ""]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.launches += 1
+        procs = []
+        if self.tb is None:
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", str(a.hosts), *map(str, worker)]
+            log = open(outdir / "host0.log", "w")  # noqa: SIM115 (closed by the caller)
+            return [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)]
+        for i in range(a.hosts):
+            argv = self.tb.torchrun_argv(i, worker, port=29400 + self.launches % 500,
+                                         rdzv_id=f"e2e{self.launches}")
+            log = open(outdir / f"host{i}.log", "w")  # noqa: SIM115
+            procs.append(self.tb.popen(i, argv, stdout=log, stderr=subprocess.STDOUT, env=env))
+        return procs
+
+
+_EXC = re.compile(r"^(\[rank\d+\]: )?([\w.]+(Error|Exception|Interrupt)\b.*)$")
+
+
+def _log_tail(outdir: Path, n: int = 2) -> str:
+    """The exceptions the job's logs end with (or their last lines)."""
+    found, last = [], []
+    for log in sorted(outdir.glob("host*.log")):
+        text = log.read_text(errors="replace").splitlines()
+        last += text[-1:]
+        for ln in text:
+            m = _EXC.match(ln.strip())
+            if m and "ChildFailedError" not in ln and m.group(2) not in found:
+                found.append(m.group(2))
+    return " | ".join((found or last)[-n:])
+
+
+def run_bandwidth(bw, args, launcher: Launcher, progress, console) -> list[dict]:
+    """Every algorithm at one bandwidth; a crashed job is relaunched for the rest."""
+    results: dict[str, dict] = {}
+    remaining = list(args.algorithms)
+    total = args.warmup + args.steps
+    tasks = {a: progress.add_task(f"{bw_label(bw):>12} {a}", total=total, start=False)
+             for a in remaining}
+    attempt = 0
+    while remaining:
+        outdir = args.workdir / f"{bw_label(bw).replace(' ', '').replace('/', '')}-{attempt}"
+        outdir.mkdir(parents=True, exist_ok=True)
+        for f in outdir.glob("*"):
+            f.unlink()
+        procs = launcher.start(remaining, outdir)
+        last_change, last_seen = time.monotonic(), None
+        stalled = False
+        while any(p.poll() is None for p in procs):
+            time.sleep(0.5)
+            prog = outdir / "progress"
+            seen = prog.read_text() if prog.exists() else None
+            if seen and seen != last_seen:
+                last_change, last_seen = time.monotonic(), seen
+                try:
+                    info = json.loads(seen)
+                    task = tasks[info["algorithm"]]
+                    progress.start_task(task)
+                    progress.update(task, completed=info["step"])
+                except (ValueError, KeyError):
+                    pass
+            for a in remaining:
+                if (outdir / f"{a}.json").exists() and a not in results:
+                    results[a] = json.loads((outdir / f"{a}.json").read_text())
+                    progress.update(tasks[a], completed=total)
+            if time.monotonic() - last_change > args.stall_seconds:
+                stalled = True
+                break
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        failed_code = next((p.returncode for p in procs if p.returncode), 0)
+        started = False
+        for a in list(remaining):
+            js, marker = outdir / f"{a}.json", outdir / f"{a}.started"
+            if js.exists():
+                results[a] = json.loads(js.read_text())
+                remaining.remove(a)
+            elif marker.exists() and not started:
+                started = True
+                why = (f"no progress for {args.stall_seconds:.0f}s" if stalled
+                       else f"job exited with {failed_code}")
+                results[a] = {"algorithm": a, "status": "failed",
+                              "reason": f"{why}: {_log_tail(outdir)}"}
+                remaining.remove(a)
+                progress.update(tasks[a], description=f"{bw_label(bw):>12} {a} (failed)")
+        if remaining and not started:
+            # The job died before any algorithm began (rendezvous, import...): give up.
+            for a in remaining:
+                results[a] = {"algorithm": a, "status": "failed",
+                              "reason": f"job failed before training ({failed_code}): "
+                                        f"{_log_tail(outdir)}"}
+            remaining = []
+        attempt += 1
+        for a, r in results.items():
+            if r["status"] == "ok":
+                progress.update(tasks[a], completed=total)
+    runs = []
+    for a in args.algorithms:
+        r = {"bandwidth_mbit": bw, **results[a]}
+        for key in _NUMERIC:
+            r.setdefault(key, None)
+        runs.append(r)
+        msg = (f"{r['samples_per_s']:.1f} samples/s, loss {r['loss']:.3f}"
+               if r["status"] == "ok" else f"{r['status']}: {r.get('reason')}")
+        console.log(f"{bw_label(bw)} {a}: {msg}")
+    return runs
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        console = Console() if sys.stdout.isatty() else Console(width=150)
+
+        def progress_bar():
+            return Progress("[progress.description]{task.description}", BarColumn(),
+                            MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+    except ImportError:  # plain text; `pip install rich` for the live table
+        console = PlainConsole()
+
+        def progress_bar():
+            return PlainProgress(console)
+    t_start = time.monotonic()
+    tb = None
+    if args.no_testbed:
+        ok, why = False, "--no-testbed given"
+    else:
+        from testbed import Testbed, testbed_available
+
+        ok, why = testbed_available()
+    if ok:
+        tb = Testbed(n_hosts=args.hosts, bandwidth_mbit=None, name=args.testbed_name)
+        tb.__enter__()
+        console.print(f"[bold]testbed[/]: {args.hosts} emulated hosts "
+                      f"({', '.join(h.addr for h in tb.hosts)}), {why}")
+    else:
+        console.print(f"[bold red]NO TESTBED[/] ({why}): running {args.hosts} plain processes "
+                      f"over loopback instead, unshaped only. Bandwidth effects are NOT "
+                      f"measured in this mode.")
+        args.bandwidths = [None]
+    model = make_model(args.size)
+    data = MarkovText(args.size)
+    console.print(f"model: transformer '{args.size}', {num_params(model) / 1e6:.2f}M "
+                  f"parameters; data: Markov text (loss from {initial_loss(data.vocab):.2f} "
+                  f"to at best {data.entropy():.2f}); {args.steps} timed steps (N) of "
+                  f"{args.batch_size} sequences per rank; held-out loss after N steps and "
+                  f"after T={args.wall_seconds:g}s of training")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    launcher = Launcher(args, tb)
+    runs: list[dict] = []
+    try:
+        with progress_bar() as progress:
+            for bw in args.bandwidths:
+                if tb is not None:
+                    tb.reshape(bandwidth_mbit=bw)
+                runs += run_bandwidth(bw, args, launcher, progress, console)
+    finally:
+        if tb is not None:
+            tb.close()
+    add_ratios(runs)
+    targets = check_targets(runs)
+    mode = (f"testbed: {args.hosts} hosts, {why}" if ok else
+            f"NO TESTBED ({why}): loopback processes, unshaped")
+    console.print(table(runs, f"bagua end to end vs torch DDP ({mode})"))
+    png = plot(runs, args.plot, subtitle=f"{num_params(model) / 1e6:.2f}M-param transformer, "
+               f"{mode}")
+    console.print(f"plot: {png}" if png else "plot: skipped (pip install matplotlib)")
+    for t in targets:
+        mark = "[green]met[/]" if t["met"] else "[red]not met[/]"
+        console.print(f"target {t['target']} ({bw_label(t['bandwidth_mbit'])}, "
+                      f"{t['algorithm']}): {t['value']:.2f}, need {t['need']}: {mark}")
+    report = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "testbed": {"used": ok, "why": why, "mode": tb.mode if tb else None},
+        "model": {"size": args.size, "params": num_params(model),
+                  "loss_at_init": initial_loss(data.vocab), "loss_floor": data.entropy()},
+        "runs": runs, "targets": targets, "plot": str(png) if png else None,
+        "elapsed_s": time.monotonic() - t_start,
+    }
+    for path in {args.json, args.plot.with_suffix(".json")} - {None}:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1))
+    console.print(f"json: {args.json or args.plot.with_suffix('.json')}; "
+                  f"took {report['elapsed_s']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

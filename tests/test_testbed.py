@@ -1,0 +1,243 @@
+"""The emulated-network testbed (benchmarks/testbed): hosts, teardown, shaping, torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from testbed import (  # noqa: E402
+    Testbed,
+    flow_class,
+    leftovers,
+    measure_tcp,
+    sweep,
+)
+from testbed import testbed_available as _available  # noqa: E402
+from testbed._shaping import FLOW_CLASSES, shape_commands  # noqa: E402
+
+OK, WHY = _available()
+ROOT_MODE = OK and WHY.startswith("root")
+
+
+def _name(prefix: str) -> str:
+    """A testbed name unique to this test run (two runs at once must not share one)."""
+    return f"{prefix}{os.getpid() % 100000}"
+
+
+TBU, TBK, TBS, TBW, TBR = (_name(p) for p in ("tbu", "tbk", "tbs", "tbw", "tbr"))
+needs_root = pytest.mark.skipif(not ROOT_MODE, reason=f"needs root network namespaces: {WHY}")
+
+
+# -- command generation and validation (no privileges needed) -------------------------------
+def test_unshaped_link_has_no_qdisc():
+    assert shape_commands("eth0", None, None) == ["qdisc del dev eth0 root"]
+
+
+def test_link_rate_uses_tbf():
+    cmds = shape_commands("v0", 100, None)
+    assert any(c.startswith("qdisc add dev v0 root handle 1: tbf rate 100000kbit") for c in cmds)
+
+
+def test_per_flow_caps_use_htb_classes_and_a_u32_port_hash():
+    cmds = shape_commands("v0", 300, 20)
+    leaves = [c for c in cmds if "class add" in c and "ceil 20000kbit" in c]
+    assert len(leaves) == FLOW_CLASSES
+    assert sum("u32 ht 2:" in c for c in cmds) == FLOW_CLASSES
+    assert any("hashkey mask 0x01fe0000 at 20 link 2:" in c for c in cmds)
+    assert any("classid 1:1 htb rate 300000kbit ceil 300000kbit" in c for c in cmds)
+
+
+def test_flow_class_skips_the_parity_bit():
+    assert flow_class(40000) != flow_class(40002)
+    assert flow_class(40000) == flow_class(40001)
+    assert len({flow_class(40000 + 2 * k) for k in range(FLOW_CLASSES)}) == FLOW_CLASSES
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"bandwidth_mbit": 0}, "bandwidth_mbit"),
+    ({"bandwidth_mbit": -5}, "bandwidth_mbit"),
+    ({"per_flow_mbit": "fast"}, "per_flow_mbit"),
+    ({"n_hosts": 0}, "n_hosts"),
+    ({"name": "Bad-Name"}, "name"),
+    ({"name": "muchtoolongname"}, "name"),
+    ({"mode": "magic"}, "mode"),
+])
+def test_bad_arguments_are_rejected_before_anything_is_made(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Testbed(**kw)
+
+
+# -- real namespaces ------------------------------------------------------------------------
+@pytest.mark.testbed
+@pytest.mark.skipif(not OK, reason=WHY)
+@pytest.mark.parametrize("mode", ["auto", "unshare"])
+def test_hosts_come_up_talk_and_go_down(mode):
+    if mode == "unshare" and subprocess.run(["unshare", "--user", "--map-root-user", "true"],
+                                            capture_output=True).returncode != 0:
+        pytest.skip("user namespaces unavailable")
+    with Testbed(n_hosts=3, bandwidth_mbit=None, name=TBU, mode=mode) as tb:
+        addrs = [h.addr for h in tb.hosts]
+        assert len(set(addrs)) == 3 and all(a.startswith("198.18.") for a in addrs)
+        for i, h in enumerate(tb.hosts):
+            out = tb.run(i, ["ip", "-4", "-o", "addr", "show", h.ifname],
+                         capture_output=True, text=True, check=True).stdout
+            assert f"{h.addr}/24" in out
+        # Every host reaches every other one (TCP, through the bridge).
+        code = ("import socket,sys; s=socket.create_connection((sys.argv[1], int(sys.argv[2])),"
+                " timeout=10); s.sendall(b'hi'); s.close()")
+        for src, dst in [(0, 1), (2, 0)]:
+            srv = tb.popen(dst, [sys.executable, "-c",
+                                 "import socket; s=socket.create_server(('0.0.0.0', 7000)); "
+                                 "print('up', flush=True); c,_=s.accept(); print(c.recv(2))"],
+                           stdout=subprocess.PIPE, text=True)
+            assert srv.stdout.readline().strip() == "up"
+            tb.run(src, [sys.executable, "-c", code, tb.hosts[dst].addr, "7000"], check=True,
+                   timeout=30)
+            assert srv.communicate(timeout=30)[0].strip() == "b'hi'"
+        if mode != "unshare":
+            assert len(leftovers(TBU)["netns"]) == 3
+    assert leftovers(TBU) == {"netns": [], "links": []}
+
+
+_HOLD = textwrap.dedent("""
+    import os, signal, sys, time
+    sys.path.insert(0, sys.argv[1])
+    from testbed import Testbed
+    # A background parent may have left SIGINT ignored; this run wants Ctrl-C's behaviour.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    tb = Testbed(n_hosts=2, bandwidth_mbit=50, name=sys.argv[2])
+    tb.__enter__()
+    tb.popen(0, ["sleep", "600"])
+    print("ready", flush=True)
+    if sys.argv[3] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
+""")
+
+
+def _hold(name: str, how: str) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", _HOLD, str(ROOT / "benchmarks"), name, how],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+@pytest.mark.testbed
+@needs_root
+def test_a_killed_run_is_swept_by_the_next_one():
+    p = _hold(TBK, "kill")
+    assert p.wait(timeout=30) == -signal.SIGKILL
+    left = leftovers(TBK)
+    assert len(left["netns"]) == 2 and f"{TBK}-br" in left["links"]
+    with Testbed(n_hosts=1, bandwidth_mbit=None, name=TBK) as tb:
+        assert leftovers(TBK)["netns"] == [tb.hosts[0].netns]
+    assert leftovers(TBK) == {"netns": [], "links": []}
+    assert sweep(TBK) == {"netns": [], "links": []}
+
+
+@pytest.mark.testbed
+@needs_root
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_tears_the_testbed_down(sig):
+    p = _hold(TBS, "hold")
+    assert len(leftovers(TBS)["netns"]) == 2
+    with pytest.raises(RuntimeError, match="in use by pid"):
+        Testbed(n_hosts=1, name=TBS)  # a live owner's testbed is never swept
+    p.send_signal(sig)
+    p.wait(timeout=30)
+    assert leftovers(TBS) == {"netns": [], "links": []}
+
+
+@pytest.mark.testbed
+@needs_root
+def test_shaping_really_limits_bandwidth():
+    with Testbed(n_hosts=2, bandwidth_mbit=None, name=TBW) as tb:
+        free = measure_tcp(tb, 0, 1, seconds=1.0)["total_mbit"]
+        tb.reshape(bandwidth_mbit=40)
+        slow = measure_tcp(tb, 0, 1, seconds=2.0)["total_mbit"]
+        back = measure_tcp(tb, 1, 0, seconds=2.0)["total_mbit"]
+        tb.reshape(bandwidth_mbit=80)
+        fast = measure_tcp(tb, 0, 1, seconds=2.0)["total_mbit"]
+        assert free > 4 * 80  # unshaped veth is far faster than the shaped rates
+        assert 0.6 * 40 < slow < 1.2 * 40
+        assert 0.6 * 40 < back < 1.2 * 40  # both directions of the link are shaped
+        assert 1.5 < fast / slow < 2.5
+        # Per-flow caps: each connection gets its cap; together they stay under the link.
+        tb.reshape(bandwidth_mbit=None, per_flow_mbit=20)
+        one = measure_tcp(tb, 0, 1, flows=1, seconds=2.0, src_ports=[40000])
+        two = measure_tcp(tb, 0, 1, flows=2, seconds=2.0, src_ports=[40100, 40102])
+        assert 0.6 * 20 < one["total_mbit"] < 1.2 * 20
+        assert 1.5 < two["total_mbit"] / one["total_mbit"] < 2.5
+        tb.reshape(bandwidth_mbit=30, per_flow_mbit=20)
+        capped = measure_tcp(tb, 0, 1, flows=2, seconds=2.0, src_ports=[40200, 40202])
+        assert capped["total_mbit"] < 1.2 * 30
+        assert min(capped["per_flow_mbit"]) > 0.25 * 30
+
+
+_ALLREDUCE = textwrap.dedent("""
+    import json, os, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.arange(4, dtype=torch.float32) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    print("RESULT " + json.dumps({"rank": dist.get_rank(), "world": dist.get_world_size(),
+                                  "node": int(os.environ["GROUP_RANK"]),
+                                  "master": os.environ["MASTER_ADDR"], "sum": t.tolist()}),
+          flush=True)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.testbed
+@pytest.mark.skipif(not OK, reason=WHY)
+@pytest.mark.timeout(300)
+def test_two_host_torchrun_rendezvouses_across_namespaces(tmp_path):
+    script = tmp_path / "allreduce.py"
+    script.write_text(_ALLREDUCE)
+    with Testbed(n_hosts=2, bandwidth_mbit=1000, name=TBR) as tb:
+        procs = [tb.popen(i, tb.torchrun_argv(i, [script], rdzv_id="test"),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in range(2)]
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+        results = []
+        for p, out in zip(procs, outs):
+            assert p.returncode == 0, out[-3000:]
+            results += [json.loads(ln.split(" ", 1)[1]) for ln in out.splitlines()
+                        if ln.startswith("RESULT ")]
+        expected = [float(k * (1 + 2)) for k in range(4)]  # ranks 0 and 1: t*(1) + t*(2)
+        assert sorted(r["rank"] for r in results) == [0, 1]
+        assert sorted(r["node"] for r in results) == [0, 1]
+        for r in results:
+            assert r["world"] == 2 and r["sum"] == expected
+            assert r["master"] in {h.addr for h in tb.hosts}
+
+
+@pytest.mark.testbed
+@needs_root
+def test_command_line_up_status_down():
+    name = _name("tbc")
+    cli = [sys.executable, str(ROOT / "benchmarks" / "testbed")]
+    up = subprocess.run([*cli, "up", "--name", name, "--hosts", "2", "--mbit", "50"],
+                        capture_output=True, text=True, timeout=60)
+    try:
+        assert up.returncode == 0, up.stderr
+        assert leftovers(name)["netns"] == [f"{name}-h0", f"{name}-h1"]  # outlives the command
+        status = subprocess.run([*cli, "status", "--name", name], capture_output=True,
+                                text=True, timeout=60).stdout
+        assert f"{name}-h1" in status and "tbf" in status and "rate 50Mbit" in status
+        with pytest.raises(RuntimeError, match="brought up to stay"):
+            Testbed(n_hosts=1, name=name)  # never swept from under its user
+    finally:
+        down = subprocess.run([*cli, "down", "--name", name], capture_output=True, text=True,
+                              timeout=60)
+    assert down.returncode == 0 and "removed 2 namespaces" in down.stdout
+    assert leftovers(name) == {"netns": [], "links": []}
