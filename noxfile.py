@@ -26,6 +26,11 @@ PACKAGES = ["bagua-comm", "bagua-algos", "bagua-optim", "bagua-data", "bagua-net
 # Siblings each package needs, installed by path before it (DESIGN.md section 2).
 SIBLINGS = {"bagua-algos": ["bagua-comm"]}
 TORCH = os.environ.get("BAGUA_NOX_TORCH", "torch==2.13.0")
+# The NCCL wheel loads without a GPU: with it, the binding's CPU-side tests (library, version,
+# unique ids, error strings, the plugin check) run in CI instead of skipping. BAGUA_NOX_NCCL=0
+# leaves it out.
+NCCL = os.environ.get("BAGUA_NOX_NCCL", "nvidia-nccl-cu12")
+NEEDS_NCCL = {"bagua-comm", "bagua-net"}
 NEEDS_TORCH = {"bagua-comm", "bagua-algos", "bagua-optim", "bagua-data"}  # torch first, pinned
 
 nox.options.default_venv_backend = "venv"
@@ -100,6 +105,8 @@ def _make_tests(package: str):
             session.install(_pkg(sib))
         session.install(f"{wheel}[test]")
         _check_import_alone(session, package)
+        if package in NEEDS_NCCL and NCCL != "0":
+            session.install(NCCL)
         _pytest(session, f"packages/{package}/tests")
 
     tests.__doc__ = (f"{package}: build its wheel, install it alone (plus what it declares) in a "
