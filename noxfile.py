@@ -142,7 +142,8 @@ for _p in PACKAGES:
 def integration(session: nox.Session) -> None:
     """All five packages installed together: the full-stack tests in tests/."""
     _install_torch(session)
-    session.install("pytest>=8", "pytest-timeout>=2.3", "numpy")
+    # rich and matplotlib so that the e2e test checks the real table and PNG.
+    session.install("pytest>=8", "pytest-timeout>=2.3", "numpy", "rich", "matplotlib")
     for p in PACKAGES:
         session.install(_pkg(p))
     _pytest(session, "tests")
