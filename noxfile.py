@@ -177,7 +177,8 @@ def _install_stack(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job, quick: torch DDP against every bagua algorithm on emulated networks."""
     _install_stack(session)
-    session.run("python", str(ROOT / "benchmarks" / "e2e.py"), "--quick", *session.posargs)
+    session.run("python", str(ROOT / "benchmarks" / "e2e.py"), "--quick",
+                "--json", "out/e2e/quick.json", "--plot", "out/e2e/quick.png", *session.posargs)
 
 
 @nox.session
