@@ -131,3 +131,24 @@ def test_bad_input_raises_before_communicating():
                                 "contiguous"], msgs):
             assert needle in msg, msg
         assert y == pytest.approx([2.0] * 8, abs=1e-5)
+
+
+def _three_ranks():
+    r = bc.get_rank()
+    res = {}
+    for chunks in (3, 6):
+        y = torch.empty(1001)
+        bc.compressed_allreduce(_x(r, 1001), y, compressor=MinMaxUInt8(chunks))
+        res[chunks] = y.numpy()
+    return res
+
+
+def test_three_ranks_exchange_every_peers_rows():
+    # With more than one peer, each rank's rows must reach the right rank (at 2 ranks a
+    # mix-up of peers cannot show), so this one case runs 3 ranks.
+    out = run_ranks(_three_ranks, 3)
+    inputs = [_x(i, 1001).numpy() for i in range(3)]
+    for chunks in (3, 6):
+        expected = _simulate(inputs, np.float32, chunks, "avg")
+        for r in range(3):
+            assert np.array_equal(out[r][chunks], expected), (r, chunks)

@@ -13,6 +13,14 @@ Every rank ends with the same bytes, so the same ``recv``.  The input is zero-pa
 multiple of ``chunks`` elements internally.  On gloo the whole sequence runs on the group's
 worker thread over its auxiliary gloo group, so ``async_op=True`` overlaps it with the
 caller's work and other primitives.
+
+On gloo, both exchanges are point-to-point with every receive posted before any send
+(:func:`_exchange`), not gloo's ``all_to_all``/``all_gather``.  A gloo sender waits for its
+peer's "ready to receive" notice, which travels on the same TCP connection as that peer's own
+outgoing data; when gloo's collective queues a large send first, the notice waits behind the
+whole message, so the two directions of a link take turns instead of running together.  On a
+2-host 100 Mbit/s link that made each phase take up to twice the wire time (see the
+bagua-comm CHANGELOG).
 """
 
 from __future__ import annotations
@@ -26,8 +34,6 @@ from .compression import MinMaxUInt8
 from .ops import ReduceOp, reduce_rows
 from .work import finish
 
-# Newer torch renamed all_gather_into_tensor (now deprecated) to all_gather_single.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN, ReduceOp.MAX)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -121,7 +127,7 @@ def _run(g, send, recv, op, compressor, k, seg, key):
                                   **({"out": _scratch(g, "payload", size, torch.uint8)}
                                      if ours else {}))
     received = _scratch(g, "received", payload.numel(), torch.uint8)
-    dist.all_to_all_single(received, payload, group=g.aux_torch_group)
+    _exchange(g, received.view(n, -1), payload.view(n, -1))
     # 2. reduce my segment in float32
     parts = _scratch(g, "parts", padded, torch.float32)
     compressor.decompress(received, parts, chunks=chunks, dtype=send.dtype)
@@ -129,7 +135,7 @@ def _run(g, send, recv, op, compressor, k, seg, key):
     # 3. gather: every rank's re-compressed segment
     own = compressor.compress(mine.to(send.dtype), chunks=k, key=f"{key}/gather")
     gathered = _scratch(g, "gathered", n * own.numel(), torch.uint8)
-    _all_gather_single(gathered, own, group=g.aux_torch_group)
+    _exchange(g, gathered.view(n, -1), [own] * n)
     # 4. decode everything
     out = recv.detach().view(-1)
     if padded != numel:
@@ -138,3 +144,19 @@ def _run(g, send, recv, op, compressor, k, seg, key):
         out.copy_(full[:numel])
     else:
         compressor.decompress(gathered, out, chunks=chunks)
+
+
+def _exchange(g, recv_rows, send_rows):
+    """Send ``send_rows[j]`` to group rank ``j`` and receive ``recv_rows[j]`` from it, for every
+    ``j`` (an alltoall; an allgather when every send row is the same tensor).
+
+    Every receive is posted before the first send, so each rank's "ready to receive" notice
+    leaves ahead of its bulk data and both directions of every link carry data at once.
+    """
+    me, pg = g.rank, g.aux_torch_group
+    peers = [j for j in range(g.size) if j != me]
+    works = [dist.irecv(recv_rows[j], g.global_rank(j), group=pg) for j in peers]
+    works += [dist.isend(send_rows[j], g.global_rank(j), group=pg) for j in peers]
+    recv_rows[me].copy_(send_rows[me])
+    for w in works:
+        w.wait()
