@@ -38,16 +38,11 @@ class BaguaBucket:
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.flatten = flatten
-        self.numel = sum(p.numel() for p in params)
-        self.padded_numel = -(-self.numel // alignment) * alignment
-        self.offsets = []
-        off = 0
-        for p in params:
-            self.offsets.append(off)
-            off += p.numel()
         # gradient slots: zero tensors shaped like the parameters, flattened by bagua_comm
-        self._grads = Bucket([torch.zeros_like(p, memory_format=torch.contiguous_format)
-                              for p in params], alignment=alignment, name=f"{self.name}.grad")
+        self._grads = self._zeros_bucket(alignment, "grad")
+        self.numel = self._grads.numel
+        self.padded_numel = self._grads.padded_numel
+        self.offsets = self._grads.offsets
         self.grad = self._grads.buffer
         self._grad_views = self._grads.tensors
         self.weight: torch.Tensor | None = None
@@ -56,8 +51,10 @@ class BaguaBucket:
         if flatten_weights:
             self._init_weights()
 
-    def _views(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        return [buf[o:o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params)]
+    def _zeros_bucket(self, alignment: int, what: str) -> Bucket:
+        """A flat zero buffer laid out like the parameters, with views shaped like them."""
+        return Bucket([torch.zeros_like(p, memory_format=torch.contiguous_format)
+                       for p in self.params], alignment=alignment, name=f"{self.name}.{what}")
 
     def _init_weights(self) -> None:
         if self.flatten:   # the parameters themselves become views of the weight buffer
@@ -106,8 +103,9 @@ class BaguaBucket:
     # -- weights ------------------------------------------------------------------------------
     def _ensure_weight(self) -> torch.Tensor:
         if self.weight is None:
-            self.weight = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
-            self._weight_views = self._views(self.weight)
+            self._weights = self._zeros_bucket(self._alignment, "weight")
+            self.weight = self._weights.buffer
+            self._weight_views = self._weights.tensors
         return self.weight
 
     def gather_weights(self) -> torch.Tensor:
