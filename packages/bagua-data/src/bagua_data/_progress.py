@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
-
-STATE_VERSION = 1
-# Settings that fix an epoch's order: a checkpoint only resumes into a sampler that shares them.
-ORDER_KEYS = ("seed", "num_replicas", "shuffle", "drop_last", "random_level", "dataset_len")
 
 
 class Progress:
@@ -44,35 +40,3 @@ class Progress:
         for i in range(start, len(items)):
             self.yielded = i + 1
             yield items[i]
-
-
-def check_consumed(consumed: int | None, default: int, length: int) -> int:
-    if consumed is None:
-        return default
-    if isinstance(consumed, bool) or not isinstance(consumed, int) or not 0 <= consumed <= length:
-        raise ValueError(f"consumed must be an int in [0, {length}] (this epoch's length), "
-                         f"got {consumed!r}")
-    return consumed
-
-
-def check_state(state: Any, settings: dict[str, Any], length: int, what: str) -> None:
-    """Validate a saved state against this sampler's order settings and epoch length."""
-    if not isinstance(state, dict):
-        raise ValueError(f"state must be a dict from {what}.state_dict(), got "
-                         f"{type(state).__name__}")
-    missing = [k for k in ("version", "epoch", "consumed", *ORDER_KEYS) if k not in state]
-    if missing:
-        raise ValueError(f"state is missing {missing}: pass a dict from {what}.state_dict()")
-    if state["version"] != STATE_VERSION:
-        raise ValueError(f"state version {state['version']!r} is not supported (expected "
-                         f"{STATE_VERSION})")
-    for key in ORDER_KEYS:
-        if state[key] != settings[key]:
-            raise ValueError(f"cannot resume: the checkpoint was saved with {key}="
-                             f"{state[key]!r} but this {what} has {key}={settings[key]!r}; "
-                             f"build it with the same settings (or start a new epoch instead)")
-    epoch, consumed = state["epoch"], state["consumed"]
-    if isinstance(epoch, bool) or not isinstance(epoch, int):
-        raise ValueError(f"state['epoch'] must be an int, got {epoch!r}")
-    if isinstance(consumed, bool) or not isinstance(consumed, int) or not 0 <= consumed <= length:
-        raise ValueError(f"state['consumed'] must be an int in [0, {length}], got {consumed!r}")

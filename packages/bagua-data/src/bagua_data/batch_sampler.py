@@ -6,9 +6,11 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import Sampler
 
-from ._progress import STATE_VERSION, Progress, check_consumed, check_state
+from ._progress import Progress
+from ._resume import check_consumed, check_rows, check_state, make_state, unseen
 from .sampler import LoadBalancingDistributedSampler
 
 BatchFn = Callable[[list[int]], Iterable[Iterable[int]]]
@@ -58,8 +60,10 @@ class LoadBalancingDistributedBatchSampler(Sampler[list[int]]):
         self.drop_last = bool(drop_last)
         self.num_replicas = sampler.num_replicas
         self.rank = sampler.rank
-        self._cache: tuple[int, list[list[int]]] | None = None
+        self._cache: tuple[tuple, list[list[int]]] | None = None
         self._progress = Progress()
+        # (epoch, history before the current plan) after a resume at another world size
+        self._prior: tuple[int, list[list[int]]] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Set the wrapped sampler's epoch (both samplers then agree)."""
@@ -78,11 +82,39 @@ class LoadBalancingDistributedBatchSampler(Sampler[list[int]]):
     def _batches(self) -> list[list[int]]:
         """This rank's batches for the current epoch (computed once per epoch)."""
         epoch = self.sampler.epoch
-        if self._cache is not None and self._cache[0] == epoch:
-            return self._cache[1]
-        chunks = self.sampler.epoch_chunks()
-        per_rank = [self._call_batch_fn(chunks[:, r].tolist(), r)
-                    for r in range(self.num_replicas)]
+        prior = self._prior_history(epoch)
+        key = (epoch, tuple(map(tuple, prior)))
+        if self._cache is None or self._cache[0] != key:
+            self._cache = (key, self._plan(epoch, prior, self.num_replicas)[self.rank])
+        return self._cache[1]
+
+    def _prior_history(self, epoch: int) -> list[list[int]]:
+        if self._prior is not None and self._prior[0] == epoch:
+            return self._prior[1]
+        return []
+
+    def _plan(self, epoch: int, prior: list[list[int]], world: int) -> list[list[list[int]]]:
+        """Every rank's batches in the plan that follows ``prior`` (see ``_resume.py``)."""
+        sampler = self.sampler
+        table = sampler._base_chunks(epoch, prior[0][0] if prior else world)
+        consumed: set[int] = set()
+        for j, (_, rows) in enumerate(prior):
+            per_rank = self._deal(table)
+            count = len(per_rank[0])
+            check_rows(rows, count, "batches")
+            consumed.update(i for b in per_rank for batch in b[:rows] for i in batch)
+            pool = unseen(consumed, (i for k in range(rows, count) for b in per_rank
+                                     for i in b[k]))
+            nxt = prior[j + 1][0] if j + 1 < len(prior) else world
+            table = sampler._rebalance(epoch, pool, nxt, j + 1)
+        return self._deal(table)
+
+    def _deal(self, chunks: torch.Tensor) -> list[list[list[int]]]:
+        """Every rank's batches for a sample table, equal in count."""
+        world = int(chunks.shape[1])
+        if chunks.shape[0] == 0:
+            return [[] for _ in range(world)]
+        per_rank = [self._call_batch_fn(chunks[:, r].tolist(), r) for r in range(world)]
         counts = [len(b) for b in per_rank]
         total = min(counts) if self.drop_last else max(counts)
         if total > 0 and 0 in counts:
@@ -91,11 +123,12 @@ class LoadBalancingDistributedBatchSampler(Sampler[list[int]]):
                                f"{int(chunks.shape[0])} samples while another rank has "
                                f"{total}; cannot pad to an equal count (use drop_last=True "
                                f"or give every rank at least one sample)")
-        mine = per_rank[self.rank]
-        if len(mine) < total:  # repeat this rank's own first batches
-            mine = (mine * math.ceil(total / len(mine)))[:total]
-        self._cache = (epoch, mine[:total])
-        return self._cache[1]
+        out = []
+        for mine in per_rank:
+            if len(mine) < total:  # repeat this rank's own first batches
+                mine = (mine * math.ceil(total / len(mine)))[:total]
+            out.append(mine[:total])
+        return out
 
     def _call_batch_fn(self, indices: list[int], rank: int) -> list[list[int]]:
         batches = [list(b) for b in self.batch_fn(indices)]
@@ -106,32 +139,49 @@ class LoadBalancingDistributedBatchSampler(Sampler[list[int]]):
         return batches
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
-        """Where this rank is in the current epoch, counted in batches.
+        """The job's position in the current epoch, counted in batches; the same on every rank.
 
-        ``consumed`` is the number of batches the training loop has used this epoch; by default
-        the number handed out, exact for ``DataLoader(num_workers=0)``.  With worker processes
-        pass ``consumed=steps_done`` (the loader prefetches ahead of the loop).
+        ``state["consumed"]`` counts the batches all ranks together have consumed this epoch,
+        ``state["history"]`` the ``[num_replicas, batches per rank]`` of each world size the
+        epoch ran at.  ``consumed`` (argument) is the number of batches *this rank's* loop
+        has used this epoch; by default the number handed out, exact for
+        ``DataLoader(num_workers=0)``.  With worker processes pass ``consumed=steps_done``
+        (the loader prefetches ahead of the loop).
         """
         position = self._progress.position(self.epoch)
-        state = {"version": STATE_VERSION, "epoch": self.epoch, "num_batches": len(self),
-                 "consumed": check_consumed(consumed, position, len(self))}
-        state.update(self.sampler._order_settings())
+        rows = check_consumed(consumed, position, len(self))
+        history = [*self._prior_history(self.epoch), [self.num_replicas, rows]]
+        state = make_state(self.epoch, history, self.sampler._order_settings())
+        state["num_batches"] = len(self)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next iteration of ``state["epoch"]`` starts at the first unseen batch.
+        """Resume: the next iteration of ``state["epoch"]`` continues where the job stopped.
 
-        Needs the same sampler settings and the same ``batch_fn`` behaviour (checked through
-        the epoch's batch count); a mismatch raises ``ValueError``.
+        At the same ``num_replicas`` every rank continues with its next batch, exactly as if
+        uninterrupted.  At another ``num_replicas`` the samples the epoch has not yet
+        consumed are dealt out anew over the new ranks, balanced, each exactly once (plus
+        padding, as in an epoch), and ``batch_fn`` cuts them into batches.  Needs the same
+        sampler settings and the same ``batch_fn`` behaviour (checked through the saved
+        plan's batch count); a mismatch raises ``ValueError``.
         """
         if not isinstance(state, dict) or not isinstance(state.get("num_batches"), int):
             raise ValueError("state must be a dict from batch_sampler.state_dict() (with an int "
                              "'num_batches')")
-        check_state(state, self.sampler._order_settings(), state["num_batches"],
-                     "batch sampler")
-        self.sampler.set_epoch(state["epoch"])
-        if state["num_batches"] != len(self):
+        history = check_state(state, self.sampler._order_settings(), "batch sampler")
+        epoch = state["epoch"]
+        saved = self._plan(epoch, history[:-1], history[-1][0])
+        if state["num_batches"] != len(saved[0]):
             raise ValueError(f"cannot resume: the checkpoint's epoch had "
                              f"{state['num_batches']} batches but batch_fn now makes "
-                             f"{len(self)}; use the same batch_fn and dataset")
-        self._progress.restore(state["epoch"], state["consumed"])
+                             f"{len(saved[0])}; use the same batch_fn and dataset")
+        check_rows(history[-1][1], len(saved[0]), "batches")
+        if history[-1][0] == self.num_replicas:
+            prior, rows, plan = history[:-1], history[-1][1], saved
+        else:
+            prior, rows = history, 0
+            plan = self._plan(epoch, prior, self.num_replicas)
+        self.sampler.set_epoch(epoch)
+        self._prior = (epoch, prior)
+        self._cache = ((epoch, tuple(map(tuple, prior))), plan[self.rank])
+        self._progress.restore(epoch, rows)

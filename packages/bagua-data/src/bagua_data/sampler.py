@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import Sampler
 
 from ._complexity import ComplexitySource, compute_complexities, noise_scale
-from ._progress import STATE_VERSION, Progress, check_consumed, check_state
+from ._progress import Progress
+from ._resume import check_consumed, check_rows, check_state, make_state, unseen
 from ._world import resolve_world
 
 
@@ -75,14 +76,12 @@ class LoadBalancingDistributedSampler(Sampler[int]):
         self.epoch = 0
         self._complexities = compute_complexities(dataset, complexity_fn)
         self._noise = noise_scale(self._complexities, self.random_level)
-        n = self._complexities.numel()
-        # DistributedSampler's arithmetic, to the letter.
-        if self.drop_last and n % self.num_replicas != 0:
-            self.num_samples = math.ceil((n - self.num_replicas) / self.num_replicas)
-        else:
-            self.num_samples = math.ceil(n / self.num_replicas)
+        self.num_samples = self._rows(self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
         self._progress = Progress()
+        # (epoch, history before the current plan) after a resume at another world size
+        self._prior: tuple[int, list[list[int]]] | None = None
+        self._table: tuple[tuple, torch.Tensor] | None = None
 
     @property
     def complexities(self) -> torch.Tensor:
@@ -94,6 +93,8 @@ class LoadBalancingDistributedSampler(Sampler[int]):
         self.epoch = epoch
 
     def __len__(self) -> int:
+        if self._prior_history(self.epoch):
+            return int(self.epoch_chunks().shape[0])
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
@@ -103,55 +104,131 @@ class LoadBalancingDistributedSampler(Sampler[int]):
     def epoch_chunks(self) -> torch.Tensor:
         """This epoch's ``(num_samples, num_replicas)`` index table: row i holds every rank's
         i-th sample (column r is rank r's order), a row's samples having neighbouring
-        complexities.  The same on every rank."""
+        complexities.  The same on every rank.  After a resume at another world size, the
+        table of the resumed epoch holds the samples still unseen, re-balanced."""
+        prior = self._prior_history(self.epoch)
+        key = (self.epoch, self.num_replicas, tuple(map(tuple, prior)))
+        if self._table is None or self._table[0] != key:
+            self._table = (key, self._plan(self.epoch, prior, self.num_replicas))
+        return self._table[1]
+
+    # -- an epoch's plans ------------------------------------------------------------------
+    def _rows(self, world: int) -> int:
+        """Rows of an epoch's table at ``world`` ranks: DistributedSampler's arithmetic."""
         n = self._complexities.numel()
+        if self.drop_last and n % world != 0:
+            return math.ceil((n - world) / world)
+        return math.ceil(n / world)
+
+    def _base_chunks(self, epoch: int, world: int) -> torch.Tensor:
+        """The epoch's table at ``world`` ranks, from its start."""
+        n = self._complexities.numel()
+        rows = self._rows(world)
+        total = rows * world
         g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
+        g.manual_seed(self.seed + epoch)
         if self.shuffle:
             indices = torch.randperm(n, generator=g)
         else:
             indices = torch.arange(n)
         if self.drop_last or n == 0:
-            indices = indices[: self.total_size]
-        elif self.total_size > n:  # pad by repeating from the start, like DistributedSampler
-            pad = self.total_size - n
+            indices = indices[:total]
+        elif total > n:  # pad by repeating from the start, like DistributedSampler
+            pad = total - n
             indices = torch.cat([indices, indices.repeat(math.ceil(pad / n))[:pad]])
+        return self._deal(indices, rows, world, g)
+
+    def _deal(self, indices: torch.Tensor, rows: int, world: int,
+              g: torch.Generator) -> torch.Tensor:
+        """Sort ``indices`` by complexity, cut into rows of ``world`` neighbours, shuffle rows."""
         keys = self._complexities[indices]
         if self.shuffle and self._noise > 0.0:
             keys = keys + torch.rand(keys.numel(), generator=g, dtype=torch.float64) * self._noise
         # Stable sort: equal keys keep the shuffled order, so ties are broken anew each epoch.
-        chunks = indices[torch.sort(keys, stable=True).indices].view(self.num_samples,
-                                                                     self.num_replicas)
+        chunks = indices[torch.sort(keys, stable=True).indices].view(rows, world)
         if self.shuffle:
-            chunks = chunks[torch.randperm(self.num_samples, generator=g)]
+            chunks = chunks[torch.randperm(rows, generator=g)]
         return chunks
 
-    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
-        """Where this rank is in the current epoch, to resume after a restart.
+    def _rebalance(self, epoch: int, pool: list[int], world: int, salt: int) -> torch.Tensor:
+        """A table over ``pool`` (unseen samples, once each) at ``world`` ranks: padded with
+        repeats of its first samples to a multiple of ``world`` (``drop_last=True``: the last
+        ``len(pool) % world`` are dropped instead), then dealt like an epoch."""
+        g = torch.Generator()
+        g.manual_seed(((self.seed + epoch) * 1_000_003 + salt) % (1 << 63))
+        indices = torch.tensor(pool, dtype=torch.long)
+        m = indices.numel()
+        if self.shuffle and m:
+            indices = indices[torch.randperm(m, generator=g)]
+        rows = m // world if self.drop_last else math.ceil(m / world)
+        total = rows * world
+        if total <= m:
+            indices = indices[:total]
+        else:
+            pad = total - m
+            indices = torch.cat([indices, indices.repeat(math.ceil(pad / m))[:pad]])
+        return self._deal(indices, rows, world, g)
 
-        ``consumed`` is the number of samples the training loop has used this epoch; by
-        default the number this sampler has handed out.  The default is exact for a
-        ``DataLoader`` with ``num_workers=0``; with worker processes the loader prefetches
-        ahead of the loop, so pass ``consumed=steps_done * batch_size``.
+    def _plan(self, epoch: int, prior: list[list[int]], world: int) -> torch.Tensor:
+        """The table that follows ``prior`` ([num_replicas, rows consumed] per earlier plan)."""
+        table = self._base_chunks(epoch, prior[0][0] if prior else world)
+        consumed: set[int] = set()
+        for j, (_, rows) in enumerate(prior):
+            check_rows(rows, int(table.shape[0]), "samples")
+            consumed.update(table[:rows].reshape(-1).tolist())
+            pool = unseen(consumed, table[rows:].reshape(-1).tolist())
+            nxt = prior[j + 1][0] if j + 1 < len(prior) else world
+            table = self._rebalance(epoch, pool, nxt, j + 1)
+        return table
+
+    def _prior_history(self, epoch: int) -> list[list[int]]:
+        if self._prior is not None and self._prior[0] == epoch:
+            return self._prior[1]
+        return []
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """The job's position in the current epoch, the same on every rank.
+
+        ``state["consumed"]`` counts the samples all ranks together have consumed this epoch
+        (padding included); ``state["history"]`` lists ``[num_replicas, samples per rank]``
+        of each world size the epoch ran at, which :meth:`load_state_dict` needs to resume
+        at any world size.  ``consumed`` (argument) is the number of samples *this rank's*
+        training loop has used this epoch; by default the number this sampler has handed
+        out.  The default is exact for a ``DataLoader`` with ``num_workers=0``; with worker
+        processes the loader prefetches ahead of the loop, so pass
+        ``consumed=steps_done * batch_size``.
         """
         position = self._progress.position(self.epoch)
-        state = {"version": STATE_VERSION, "epoch": self.epoch,
-                 "consumed": check_consumed(consumed, position, self.num_samples)}
-        state.update(self._order_settings())
-        return state
+        rows = check_consumed(consumed, position, len(self))
+        history = [*self._prior_history(self.epoch), [self.num_replicas, rows]]
+        return make_state(self.epoch, history, self._order_settings())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next iteration of ``state["epoch"]`` starts at the first unseen sample.
+        """Resume: the next iteration of ``state["epoch"]`` continues where the job stopped.
 
-        The sampler must have been built with the same settings (seed, world size, shuffle,
-        drop_last, random_level, dataset length); a mismatch raises ``ValueError``.  Calling
+        At the same ``num_replicas`` every rank continues its own order exactly (as if
+        uninterrupted).  At another ``num_replicas`` the samples the epoch has not yet
+        consumed are dealt out anew over the new ranks, balanced, each exactly once (plus
+        the padding the new world needs, or minus fewer than ``num_replicas`` samples with
+        ``drop_last=True``).  The other settings (seed, shuffle, drop_last, random_level,
+        dataset length) must match; a mismatch raises ``ValueError``.  Calling
         ``set_epoch`` with the saved epoch afterwards keeps the position.
         """
-        check_state(state, self._order_settings(), self.num_samples, "sampler")
-        self.epoch = state["epoch"]
-        self._progress.restore(self.epoch, state["consumed"])
+        history = check_state(state, self._order_settings(), "sampler")
+        epoch = state["epoch"]
+        if history[-1][0] == self.num_replicas:
+            prior, rows = history[:-1], history[-1][1]
+        else:
+            prior, rows = history, 0
+        table = self._plan(epoch, prior, self.num_replicas)    # validates every entry
+        check_rows(rows, int(table.shape[0]), "samples")
+        self.epoch = epoch
+        self._prior = (epoch, prior)
+        self._table = ((epoch, self.num_replicas, tuple(map(tuple, prior))), table)
+        self._progress.restore(epoch, rows)
 
     def _order_settings(self) -> dict[str, Any]:
-        return {"seed": self.seed, "num_replicas": self.num_replicas, "shuffle": self.shuffle,
+        return {"seed": self.seed, "shuffle": self.shuffle,
                 "drop_last": self.drop_last, "random_level": self.random_level,
                 "dataset_len": self._complexities.numel()}
