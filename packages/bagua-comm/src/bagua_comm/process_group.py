@@ -42,6 +42,7 @@ class ProcessGroup:
         self._executor: ThreadPoolExecutor | None = None
         self._nccl_stream = None
         self._scratch: dict = {}  # reusable buffers of the worker thread (compressed_allreduce)
+        self._destroyed = False
         self._id = len(_state.groups)  # same on every rank: groups are created collectively
         _state.groups.append(self)
 
@@ -150,6 +151,26 @@ class ProcessGroup:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+
+    def destroy(self) -> None:
+        """Release this group (its worker thread, NCCL communicator and torch groups); any
+        later call with it raises.  Not collective.  The default group is released by
+        :func:`destroy_process_group` instead."""
+        if self is _state.default:
+            raise ValueError("the default group is destroyed by destroy_process_group()")
+        self._release()
+        for tg in {id(self.torch_group): self.torch_group,
+                   id(self.aux_torch_group): self.aux_torch_group}.values():
+            if self.is_member() and tg is not dist.group.WORLD:
+                try:
+                    dist.destroy_process_group(tg)
+                except (RuntimeError, ValueError, KeyError):
+                    pass  # torch already released it
+
+    def _release(self) -> None:
+        self._destroyed = True
+        self._shutdown()
+        self._destroy_nccl()
 
     def __repr__(self) -> str:
         return f"ProcessGroup(ranks={self.ranks}, backend={self.backend!r})"
@@ -317,8 +338,7 @@ def destroy_process_group() -> None:
     if _state.default is None:
         return
     for g in _state.groups:
-        g._shutdown()
-        g._destroy_nccl()
+        g._release()
     if _state.owns_torch_pg and dist.is_initialized():
         dist.destroy_process_group()
     _state.__init__()
