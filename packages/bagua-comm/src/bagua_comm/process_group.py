@@ -163,6 +163,7 @@ class _State:
         self.owns_torch_pg = False
         self.groups: list[ProcessGroup] = []
         self.cuda_device: int | None = None
+        self.timeout = timedelta(minutes=30)  # every group's, from init_process_group
         self.generation = getattr(self, "generation", 0)
 
 
@@ -254,6 +255,7 @@ def init_process_group(backend: str = "auto", *, store=None, rank=None, world_si
         torch.cuda.set_device(_state.cuda_device)
     _state.generation += 1
     _state.backend = backend
+    _state.timeout = timeout
     _state.local_world_size = local_world_size
     aux = dist.new_group(ranks=list(range(world_size)), backend="gloo")
     _state.default = ProcessGroup(list(range(world_size)), dist.group.WORLD, backend,
