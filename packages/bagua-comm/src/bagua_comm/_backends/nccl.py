@@ -15,8 +15,8 @@ import collections
 
 import torch
 
-from .ops import ReduceOp, reduce_rows
-from .work import finish
+from ..ops import ReduceOp, reduce_rows
+from ..work import finish
 
 NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
                torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
@@ -169,7 +169,7 @@ class _Launch:
 
 
 def _grouped(comm, fn):
-    from ._nccl_loader import load
+    from .._nccl_loader import load
 
     nccl = load()
     nccl.group_start()
