@@ -65,7 +65,7 @@ class _GroupState:
     """
 
     def __init__(self, g, comm):
-        from . import _nccl_watchdog
+        from .. import _nccl_watchdog
 
         self.comm = comm
         self.stream = g.nccl_stream()
@@ -114,7 +114,7 @@ class _GroupState:
 
 
 def _timeout_seconds() -> float:
-    from .process_group import _state
+    from ..process_group import _state
 
     timeout = getattr(_state, "timeout", None)
     return timeout.total_seconds() if timeout is not None else 1800.0
