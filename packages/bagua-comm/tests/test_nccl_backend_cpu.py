@@ -97,6 +97,9 @@ class FakeGroup:
     def nccl_stream(self):
         return self.stream
 
+    def cuda_device(self):
+        return None          # the watchdog then leaves the thread's device alone
+
     def __repr__(self):
         return "FakeGroup(ranks=[0])"
 

@@ -133,6 +133,18 @@ def test_exit_can_be_turned_off():
     assert exits == [] and comm.aborts == 1
 
 
+def test_the_watchdog_thread_queries_events_on_the_communicators_device():
+    devices = []
+    dog = Watchdog(interval=0.01, exit_grace=5, clock=Clock(), exit=print,
+                   set_device=devices.append)
+    w = dog.watch(FakeComm(), "G", 3, device=3, start=False)
+    dog.poll_once()
+    assert devices == []                 # nothing to query
+    w.track(Handle(done=True))
+    dog.poll_once()
+    assert devices == [3] and not w.pending
+
+
 def test_a_destroyed_communicator_is_dropped():
     dog, clock, _ = _dog()
     comm = FakeComm()

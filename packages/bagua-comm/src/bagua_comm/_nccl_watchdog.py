@@ -36,8 +36,9 @@ DEFAULT_EXIT_GRACE = float(os.environ.get("BAGUA_NCCL_WATCHDOG_GRACE", "10"))
 class Watched:
     """The watchdog's record of one communicator."""
 
-    def __init__(self, comm, name: str, timeout: float):
+    def __init__(self, comm, name: str, timeout: float, device: int | None = None):
         self.comm = comm
+        self.device = device
         self.name = name
         self.timeout = float(timeout)
         self.pending: collections.deque = collections.deque()
@@ -72,8 +73,12 @@ class Watchdog:
     """
 
     def __init__(self, interval: float = DEFAULT_INTERVAL, exit_grace: float = DEFAULT_EXIT_GRACE,
-                 clock=time.monotonic, exit=os._exit, exit_on_unseen: bool | None = None):
+                 clock=time.monotonic, exit=os._exit, exit_on_unseen: bool | None = None,
+                 set_device=None):
         self.interval = interval
+        # The watchdog thread queries CUDA events: it makes the communicator's device current
+        # first, so that it never creates a context on device 0 of a rank that uses another.
+        self._set_device = set_device or _cuda_set_device
         self.exit_grace = exit_grace
         self.clock = clock
         self._exit = exit
@@ -86,12 +91,14 @@ class Watchdog:
         self._thread: threading.Thread | None = None
 
     # -- registration -----------------------------------------------------------------------
-    def watch(self, comm, name: str, timeout: float, start: bool = True) -> Watched:
-        """Watch ``comm`` (idempotent: a communicator's record is kept on ``comm.watch``)."""
+    def watch(self, comm, name: str, timeout: float, device: int | None = None,
+              start: bool = True) -> Watched:
+        """Watch ``comm`` (idempotent: a communicator's record is kept on ``comm.watch``);
+        ``device`` is its CUDA device."""
         w = getattr(comm, "watch", None)
         if isinstance(w, Watched):
             return w
-        w = Watched(comm, name, timeout)
+        w = Watched(comm, name, timeout, device)
         try:
             comm.watch = w
         except AttributeError:
@@ -158,6 +165,8 @@ class Watchdog:
                 return None
             if status:
                 return f"NCCL reported an asynchronous error ({_describe(status)})"
+        if w.pending and w.device is not None:
+            self._set_device(w.device)
         while w.pending and _completed(w.pending[0][1]):
             _start, handle, on_done = w.pending.popleft()
             if on_done is not None:
@@ -181,6 +190,12 @@ class Watchdog:
         w.failed_at = now
         w.pending.clear()
         log.error("%s", w.error)
+
+
+def _cuda_set_device(device: int) -> None:
+    import cupy
+
+    cupy.cuda.runtime.setDevice(device)
 
 
 def _completed(handle) -> bool:
@@ -213,6 +228,6 @@ def get() -> Watchdog:
         return _watchdog
 
 
-def watch(comm, name: str, timeout: float) -> Watched:
-    """Watch ``comm`` with the process's watchdog; returns its record."""
-    return get().watch(comm, name, timeout)
+def watch(comm, name: str, timeout: float, device: int | None = None) -> Watched:
+    """Watch ``comm`` (on CUDA ``device``) with the process's watchdog; returns its record."""
+    return get().watch(comm, name, timeout, device)

@@ -73,7 +73,7 @@ class _GroupState:
         self._callers: dict = {}
         self.free_events: collections.deque = collections.deque()
         self.scratch: dict = {}
-        self.watch = _nccl_watchdog.watch(comm, repr(g), _timeout_seconds())
+        self.watch = _nccl_watchdog.watch(comm, repr(g), _timeout_seconds(), g.cuda_device())
 
     @classmethod
     def of(cls, g):
