@@ -283,7 +283,8 @@ def _gpu():
         import cupy  # noqa: F401
     except ImportError as err:
         raise RuntimeError("MinMaxUInt8 on CUDA tensors needs CuPy: "
-                           "pip install 'bagua-comm[cu12]'  (or: pip install cupy-cuda12x)"
+                           "pip install 'bagua-comm[cu12]' or 'bagua-comm[cu13]'  (or: pip install "
+                           "cupy-cuda12x / cupy-cuda13x)"
                            ) from err
     from . import _minmax_cupy
 
