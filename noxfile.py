@@ -31,6 +31,8 @@ TORCH = os.environ.get("BAGUA_NOX_TORCH", "torch==2.13.0")
 # leaves it out.
 NCCL = os.environ.get("BAGUA_NOX_NCCL", "nvidia-nccl-cu12")
 NEEDS_NCCL = {"bagua-comm", "bagua-net"}
+# Extras a package's own tests install (bagua-algos tests its Lightning strategy too).
+TEST_EXTRAS = {"bagua-algos": "test,lightning"}
 NEEDS_TORCH = {"bagua-comm", "bagua-algos", "bagua-optim", "bagua-data"}  # torch first, pinned
 
 nox.options.default_venv_backend = "venv"
@@ -103,7 +105,7 @@ def _make_tests(package: str):
             _install_torch(session)
         for sib in SIBLINGS.get(package, []):
             session.install(_pkg(sib))
-        session.install(f"{wheel}[test]")
+        session.install(f"{wheel}[{TEST_EXTRAS.get(package, 'test')}]")
         _check_import_alone(session, package)
         if package in NEEDS_NCCL and NCCL != "0":
             session.install(NCCL)
