@@ -7,6 +7,7 @@
     nox -s lint                  ruff, cython-lint, import-linter contracts
     nox -s build-bagua-net       sdist + wheel, installed into a fresh venv and imported
     nox -t ci                    everything CI runs (README's test command)
+    nox -s docs                  the documentation site (mkdocs build --strict)
     nox -s bench | demo | gpu    benchmarks, the main job, GPU tests (gpu is off by default)
 
 Arguments after ``--`` reach pytest (or the benchmark script).  Torch is always installed
@@ -148,6 +149,7 @@ def integration(session: nox.Session) -> None:
     session.install("pytest>=8", "pytest-timeout>=2.3", "numpy", "rich", "matplotlib")
     for p in PACKAGES:
         session.install(_pkg(p))
+    session.install(f"{_pkg('bagua-algos')}[lightning]")   # examples/lightning_train.py
     _pytest(session, "tests")
 
 
@@ -162,6 +164,21 @@ def lint(session: nox.Session) -> None:
         session.run("cython-lint", "--max-line-length", "100", *pyx, *pxd)
     src = os.pathsep.join(str(p) for p in sorted(ROOT.glob("packages/*/src")))
     session.run("lint-imports", env={"PYTHONPATH": src})
+
+
+@nox.session(tags=["ci"])
+def docs(session: nox.Session) -> None:
+    """The documentation site (docs/, mkdocs.yml), built with warnings as errors.
+
+    The API pages are generated from the packages' docstrings by static analysis, so neither
+    torch nor the packages need installing; only docs/requirements.txt (pinned).
+    """
+    session.install("-r", str(ROOT / "docs" / "requirements.txt"))
+    site = Path(session.create_tmp()) / "site"
+    session.run("mkdocs", "build", "--strict", "--clean", "--config-file",
+                str(ROOT / "mkdocs.yml"), "--site-dir", str(site),
+                env={"NO_MKDOCS_2_WARNING": "1"})
+    session.log(f"site built in {site}")
 
 
 # What the benchmarks need beyond the packages: the plot and the live table.
