@@ -34,7 +34,7 @@ class Sentences(Dataset):
 
     def __init__(self, n: int, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
-        lengths = torch.distributions.LogNormal(3.5, 0.8).sample((n,)).clamp(2, 400).long()
+        lengths = (3.5 + 0.8 * torch.randn(n, generator=g)).exp().clamp(2, 400).long()
         self.texts = [torch.randint(1, VOCAB, (int(k),), generator=g) for k in lengths]
         for t in self.texts[::2]:                       # half the sentences contain token 0
             t[torch.randint(0, len(t), (1,), generator=g)] = 0
