@@ -18,6 +18,7 @@ import argparse
 
 import torch
 
+# --8<-- [start:algorithm]
 import bagua_comm as bc
 from bagua_algos import Algorithm, AlgorithmImpl, with_bagua
 
@@ -64,6 +65,7 @@ class LocalSGDImpl(AlgorithmImpl):
 
     def load_state_dict(self, state):
         self.steps, self.averagings = int(state["steps"]), int(state["averagings"])
+# --8<-- [end:algorithm]
 
 
 def batch(step: int, rank: int, n: int = 32):
