@@ -122,9 +122,8 @@ def _qavg(ms, comp, ef_state=None):
 
 
 def run_sim(variant, seed, xtr, ytr, xte, yte):
-    from bagua_comm.compression import MinMaxUInt8
-
     from bagua_algos import QAdamOptimizer
+    from bagua_comm.compression import MinMaxUInt8
 
     torch.manual_seed(seed)
     model = Net()
@@ -195,7 +194,7 @@ def _rank_main(seeds):
         model = with_bagua(model, [opt], QAdam(opt, hierarchical=False))
         torch.manual_seed(seed * 7 + rank)       # dropout differs per rank
         losses = []
-        for step, idx in enumerate(batches(seed, len(xtr)), start=1):
+        for _step, idx in enumerate(batches(seed, len(xtr)), start=1):
             opt.zero_grad()
             loss = F.nll_loss(model(xtr[idx[rank]]), ytr[idx[rank]])
             loss.backward()

@@ -98,11 +98,6 @@ def _run_fault(tmp_path, algo, sig, world=2, local=None, victim=None):
             log.close()
 
 
-# Internal groups (compressed_allreduce's auxiliary group, intra/inter-node groups,
-# AsyncModelAverage's group) must inherit the job's timeout: bagua-comm issue 13.1.
-_NEEDS_GROUP_TIMEOUT = pytest.mark.xfail(
-    strict=False, reason="needs bagua_comm's internal groups to honour init_process_group's "
-                         "timeout (issue 13.1)")
 KILL_CASES = [
     ("gradient_allreduce", 2, None),
     ("bytegrad", 2, None),
@@ -112,7 +107,7 @@ KILL_CASES = [
     ("qadam", 2, None),
     ("gradient_allreduce", 3, None),
     # rank 1 waits in the intra-node broadcast from its leader, which failed
-    pytest.param("bytegrad_hierarchical", 4, 2, marks=_NEEDS_GROUP_TIMEOUT),
+    ("bytegrad_hierarchical", 4, 2),
 ]
 
 
@@ -127,10 +122,10 @@ def test_kill_one_rank_others_exit_nonzero(tmp_path, algo, world, local):
 
 STOP_CASES = [
     ("gradient_allreduce", 2, None),
-    pytest.param("bytegrad", 2, None, marks=_NEEDS_GROUP_TIMEOUT),
-    pytest.param("async", 2, None, marks=_NEEDS_GROUP_TIMEOUT),
-    pytest.param("qadam", 2, None, marks=_NEEDS_GROUP_TIMEOUT),
-    pytest.param("gradient_allreduce_hierarchical", 4, 2, marks=_NEEDS_GROUP_TIMEOUT),
+    ("bytegrad", 2, None),
+    ("async", 2, None),
+    ("qadam", 2, None),
+    ("gradient_allreduce_hierarchical", 4, 2),
 ]
 
 
