@@ -68,3 +68,10 @@ def test_lightning_example_with_lightnings_launcher(tmp_path):
     out = _run([sys.executable, str(EXAMPLES / "lightning_train.py"), "--devices", "2",
                 "--quick", "--algorithm", "low_precision_decentralized"], tmp_path)
     assert "BaguaStrategy('low_precision_decentralized') on 2 processes" in out
+
+
+def test_every_example_is_in_the_docs():
+    page = (EXAMPLES.parent / "docs" / "examples.md").read_text()
+    missing = [p.name for p in sorted(EXAMPLES.glob("*.py"))
+               if f'--8<-- "examples/{p.name}"' not in page]
+    assert not missing, f"examples not included in docs/examples.md: {missing}"

@@ -65,7 +65,7 @@ def full_loss(model) -> float:
         return torch.nn.functional.mse_loss(model(x), y).item()
 
 
-def fit(strategy, *, epochs: int = 2, qadam: bool = False, ckpt_dir=None, ckpt_path=None):
+def fit(strategy, *, epochs: int = 4, qadam: bool = False, ckpt_dir=None, ckpt_path=None):
     model = Net(qadam)
     callbacks = [ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1)] if ckpt_dir else []
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs,
@@ -102,7 +102,7 @@ def main(out: str) -> None:
         res[name] = {"params": flat(model), "before": before, "after": full_loss(model),
                      "logged": float(trainer.callback_metrics["train_loss"])}
 
-    # Checkpoints through Lightning's own mechanism: stop after one epoch, resume to two.
+    # Checkpoints through Lightning's own mechanism: stop after one epoch, resume to four.
     ck = os.path.join(os.path.dirname(out), "ck")
     fit(BaguaStrategy("gradient_allreduce"), epochs=1, ckpt_dir=ck)
     files = sorted(os.listdir(ck))

@@ -46,7 +46,7 @@ def _async_step_with_closure():
 
 
 def test_async_model_average_with_step_closure_does_not_deadlock():
-    run_ranks(_async_step_with_closure, timeout=60)
+    run_ranks(_async_step_with_closure, timeout=240)
 
 
 lightning = pytest.importorskip("lightning")
@@ -98,7 +98,7 @@ def test_gradient_allreduce_matches_ddp_strategy(torchrun_results):
 def test_every_algorithm_trains(torchrun_results, algorithm):
     for res in torchrun_results:
         run = res[algorithm]
-        assert run["after"] < 0.9 * run["before"], run
+        assert run["after"] < 0.85 * run["before"], run
         assert torch.isfinite(torch.tensor(run["params"])).all()
     # self.log(..., sync_dist=True) went through the strategy's reduce: same value everywhere
     assert torchrun_results[0][algorithm]["logged"] == torchrun_results[1][algorithm]["logged"]
@@ -112,7 +112,7 @@ def test_lightning_checkpoint_carries_algorithm_state_and_resumes(torchrun_resul
         assert resume["files"] == ["epoch=0-step=4.ckpt"]
         assert "'algorithm': 'gradient_allreduce'" in resume["bagua_state"]
         assert "'step': 4" in resume["bagua_state"]
-        # one epoch, checkpoint, resume to two epochs == two epochs uninterrupted
+        # one epoch, checkpoint, resume to four epochs == four epochs uninterrupted
         torch.testing.assert_close(torch.tensor(resume["params"]),
                                    torch.tensor(res["gradient_allreduce"]["params"]),
                                    rtol=0, atol=0)

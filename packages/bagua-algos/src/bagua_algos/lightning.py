@@ -109,11 +109,13 @@ class BaguaStrategy(DDPStrategy):
             which needs the optimizer Lightning creates: pass ``"qadam"``).
         do_flatten: passed to :func:`~bagua_algos.with_bagua`.
         bucket_size: passed to :func:`~bagua_algos.with_bagua` (bytes; default 10 MiB).
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``
-            (``start_method="spawn"`` uses Lightning's multiprocessing launcher).
         **algorithm_kwargs: the algorithm's constructor arguments, e.g.
             ``BaguaStrategy(algorithm="bytegrad", hierarchical=False)``.
+
+    ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
+    ``precision_plugin``, ``process_group_backend``, ``timeout`` and ``start_method`` are
+    Lightning's ``DDPStrategy`` arguments (``start_method="spawn"`` uses Lightning's
+    multiprocessing launcher).
 
     Raises:
         ValueError: an unknown algorithm name or arguments its constructor does not take (at
