@@ -1,18 +1,20 @@
 """The main job: torch DDP against every bagua algorithm, end to end, on emulated networks.
 
-    python benchmarks/e2e.py --quick                      # ~3-5 minutes on 2 cores
-    python benchmarks/e2e.py --bandwidths 100,1000,none --json out/e2e.json
+    python benchmarks/e2e.py --quick          # 2 hosts x 2 processes, 100 Mbit/s: ~4 min
+    python benchmarks/e2e.py --hosts 4 --bandwidths 100,1000 --json out/e2e.json
 
 For each link bandwidth the testbed (benchmarks/testbed) emulates ``--hosts`` machines, each
 a network namespace behind a ``tc``-shaped link, and launches a real multi-node job with
-``torchrun --nnodes N`` (c10d rendezvous across the namespaces, gloo, one process per host,
-one thread each).  The job trains the same transformer on the same generated data with
-torch DDP and with each bagua algorithm (``bagua_algos.Algorithm.init(name)`` +
-``with_bagua``) and reports samples/s, time per step split into compute and exposed
-communication, bytes sent per rank per step (measured on the host's interface), the loss
-after a fixed number of steps and after a fixed wall time.  An algorithm bagua_algos does
-not provide is reported as unavailable, never skipped.  Where network namespaces cannot be
-made, the job runs as plain processes over loopback (unshaped only) and says so.
+``torchrun --nnodes N --nproc-per-node M`` (c10d rendezvous across the namespaces, gloo, one
+thread per process; the M processes of a host talk over its loopback, hosts over the shaped
+link).  The job trains the same transformer on the same generated data with torch DDP (plain,
+``fp16_compress_hook``, PowerSGD) and with each bagua algorithm and mode (``_e2e_rows``) and
+reports the wall time each needs to reach the held-out loss DDP reaches after N steps (the
+headline), samples/s, time per step split into compute and exposed communication, bytes sent
+per rank per step (measured on the host's interface), the loss after N steps and after T
+seconds.  An algorithm bagua_algos does not provide is reported as unavailable, never
+skipped.  Where network namespaces cannot be made, the job runs as plain processes over
+loopback (unshaped only) and says so.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ from _e2e_report import (  # noqa: E402
 from _e2e_rows import default_rows  # noqa: E402
 
 WORKER = str(HERE / "_e2e_worker.py")
-QUICK = {"bandwidths": "100,none", "size": "small", "steps": 8, "wall_seconds": 6.0}
-FULL = {"bandwidths": "100,1000,none", "size": "base", "steps": 30, "wall_seconds": 30.0}
+QUICK = {"bandwidths": "100", "size": "small", "steps": 6, "wall_seconds": 4.0, "hosts": 2,
+         "procs_per_host": 2, "budget_factor": 1.25}
+FULL = {"bandwidths": "100,1000,none", "size": "base", "steps": 30, "wall_seconds": 30.0,
+        "hosts": 2, "procs_per_host": 1, "budget_factor": 1.5}
 _NUMERIC = ("samples_per_s", "step_s", "compute_s", "comm_s", "bytes_per_step",
             "bytes_per_step_accounted", "loss", "train_loss", "loss_at_wall", "window_steps",
             "window_s", "eval_curve", "loss_curve", "time_to_ddp_loss_s", "procs_per_host")
@@ -78,10 +82,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     f"default {FULL['bandwidths']}")
     ap.add_argument("--algorithms", help="comma list of rows (default: every row; "
                     "bytegrad_flat only with --procs-per-host > 1)")
-    ap.add_argument("--hosts", type=int, default=2, help="emulated hosts (network namespaces)")
-    ap.add_argument("--procs-per-host", type=int, default=1,
+    ap.add_argument("--hosts", type=int, help="emulated hosts (network namespaces; default 2)")
+    ap.add_argument("--procs-per-host", type=int,
                     help="processes per host (torchrun --nproc-per-node): intra-node traffic "
-                         "on the host's loopback, hierarchical modes on")
+                         "on the host's loopback, hierarchical modes on; default 1, "
+                         "--quick 2")
     ap.add_argument("--size", choices=sorted(SIZES), help="model size (default base)")
     ap.add_argument("--steps", type=int, help="timed steps for throughput and loss@N")
     ap.add_argument("--warmup", type=int, default=2)
@@ -92,8 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--async-interval-ms", type=float, default=500.0,
                     help="AsyncModelAverage's sync_interval_ms (its timed window is extended "
                          "until it holds 2 averaging rounds)")
-    ap.add_argument("--budget-factor", type=float, default=1.5,
-                    help="every row trains for max(T, this x DDP's time for N steps)")
+    ap.add_argument("--budget-factor", type=float,
+                    help="every row trains for max(T, this x DDP's time for N steps); "
+                         "default 1.5, --quick 1.25")
     ap.add_argument("--no-testbed", action="store_true", help="plain loopback processes")
     ap.add_argument("--json", type=Path, help="write every number here")
     ap.add_argument("--plot", type=Path, default=Path("out/e2e/e2e.png"))

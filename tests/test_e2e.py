@@ -24,7 +24,7 @@ FIELDS = REQUIRED + ("status", "world_size", "procs_per_host", "step_s", "comput
                      "loss_vs_ddp", "ddp_loss_target", "time_to_ddp_loss_s",
                      "tta_speedup_vs_ddp", "budget_s")
 TINY = ["--quick", "--size", "tiny", "--steps", "4", "--warmup", "1", "--wall-seconds", "0.5",
-        "--hosts", "2"]
+        "--hosts", "2", "--procs-per-host", "1"]
 
 
 def _run(tmp_path: Path, *extra: str) -> dict:
