@@ -148,7 +148,7 @@ def _mode(r: dict) -> str:
                      powersgd_rank=r.get("powersgd_rank") or 2,
                      async_interval_ms=r.get("sync_interval_ms"))
     if r["algorithm"] == "async" and r.get("async_rounds_in_window") is not None:
-        note += f": {r['async_rounds_in_window']} in {r['window_steps']} st"
+        note += f", {r['async_rounds_in_window']} avg/{r['window_steps']} st"
     if r.get("bytes_source") == "accounted":
         note += " (acc.)"
     return note
@@ -253,7 +253,8 @@ def plot(runs: list[dict], path: Path, subtitle: str = "") -> Path | None:
         if ddp is not None:
             ax.axhline(ddp["loss"], color="black", ls=":", lw=1)
             ax.annotate(f"DDP's loss after N={ddp['steps']} steps", (0, ddp["loss"]),
-                        xytext=(2, 3), textcoords="offset points", fontsize=7)
+                        xycoords=("axes fraction", "data"), xytext=(3, 3),
+                        textcoords="offset points", fontsize=7)
             wall = ddp.get("wall_s")
             if wall and wall <= tmax:
                 ax.axvline(wall, color="grey", ls=":", lw=1)
