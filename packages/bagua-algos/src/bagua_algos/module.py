@@ -52,6 +52,8 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
     bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
     if not isinstance(bucket_size, int) or bucket_size <= 0:
         raise ValueError(f"bucket_size must be a positive number of bytes, got {bucket_size!r}")
+    if not bc.is_initialized() and torch.distributed.is_initialized():
+        bc.init_process_group()  # adopt torch's default process group (DDP users' habit)
     if not bc.is_initialized():
         raise RuntimeError("bagua_comm is not initialised: call bagua_comm.init_process_group() "
                            "before with_bagua()")
