@@ -1,12 +1,15 @@
 """torchrun worker of benchmarks/e2e.py: trains the workload with each algorithm in turn.
 
-One process per emulated host.  For every algorithm it builds the same model (same seed),
-measures compute-only step time on a private copy, wraps the model (torch DDP, or
-``bagua_algos.with_bagua(model, [opt], Algorithm.init(name))``), warms up, then times
-``--steps`` steps (then keeps training until ``--wall-seconds`` have passed, for the
-loss-against-time curve).  Rank 0 writes ``<out>/<algorithm>.json``; progress goes to
-``<out>/progress``.  An algorithm that bagua_algos does not register is written as
-unavailable (every rank sees the same registry, so nobody waits on a collective).
+``--procs-per-host`` processes per emulated host.  For every row (``_e2e_rows``: torch DDP and
+its hooks, each bagua algorithm and mode) it builds the same model (same seed), measures
+compute-only step time on a private copy, wraps the model, warms up, then times at least
+``--steps`` steps (AsyncModelAverage: until the window holds ``--async-min-rounds`` averaging
+rounds, so its figures include its communication) and keeps training until the wall budget
+(``--wall-seconds``, at least ``--budget-factor`` x DDP's time for ``--steps`` steps), with
+the held-out loss evaluated every ``--steps``/4 steps (the clock paused): the loss-against-time
+curve that time to DDP's loss is read from.  Rank 0 writes ``<out>/<row>.json``; progress
+goes to ``<out>/progress``.  A row bagua_algos does not provide is written as unavailable
+(every rank sees the same registry, so nobody waits on a collective).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import argparse
 import copy
 import json
 import math
-import os
 import sys
 import time
 import traceback
@@ -26,33 +28,19 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _e2e_model import MarkovText, lm_loss, make_model, num_params
+from _e2e_rows import TORCH_ROWS, AllReduceCounter, bagua_spec, build_torch
 
 
 class Unavailable(Exception):
     """The algorithm cannot be built here (not installed / not registered yet)."""
 
 
-def _counting_allreduce_hook(counter: list):
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    def hook(state, bucket):
-        buf = bucket.buffer()
-        world = dist.get_world_size()
-        counter[0] += 2 * (world - 1) / world * buf.numel() * buf.element_size()
-        return default_hooks.allreduce_hook(None, bucket)
-
-    return hook
-
-
-def _build(name: str, model, args, counter: list):
-    """``(wrapped_model, optimizer)`` for ``name`` (raises :class:`Unavailable`)."""
-    if name == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
+def _build(name: str, model, args):
+    """``(wrapped_model, optimizer)`` for row ``name`` (raises :class:`Unavailable`)."""
+    if name in TORCH_ROWS:
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-        ddp = DistributedDataParallel(model)
-        ddp.register_comm_hook(None, _counting_allreduce_hook(counter))
-        return ddp, opt
+        return build_torch(name, model, powersgd_rank=args.powersgd_rank,
+                           powersgd_start=max(2, args.warmup)), opt
     try:
         import bagua_algos
     except ImportError as err:
@@ -61,8 +49,8 @@ def _build(name: str, model, args, counter: list):
     if missing:
         raise Unavailable(f"bagua_algos {bagua_algos.__version__} has no {', '.join(missing)} "
                           f"yet")
-    kwargs = {}
-    if name == "qadam":
+    algo_name, kwargs = bagua_spec(name, args.procs_per_host)
+    if algo_name == "qadam":
         if not hasattr(bagua_algos, "QAdamOptimizer"):
             raise Unavailable("bagua_algos has no QAdamOptimizer yet")
         opt = bagua_algos.QAdamOptimizer(model.parameters(), lr=args.lr,
@@ -70,8 +58,10 @@ def _build(name: str, model, args, counter: list):
         kwargs["q_adam_optimizer"] = opt
     else:
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    if algo_name == "async":
+        kwargs["sync_interval_ms"] = args.async_interval_ms
     try:
-        algo = bagua_algos.Algorithm.init(name, **kwargs)
+        algo = bagua_algos.Algorithm.init(algo_name, **kwargs)
     except ValueError as err:
         if "unknown algorithm" in str(err):
             raise Unavailable("not in bagua_algos' registry yet (registered: "
@@ -125,17 +115,23 @@ def _progress(args, name: str, step: int, total: int) -> None:
         tmp.replace(Path(args.out) / "progress")
 
 
-def run_one(name: str, args, train, evalset, harness) -> dict:
+def _async_rounds(wrapped) -> int:
+    return int(getattr(getattr(wrapped, "impl", None), "rounds", 0))
+
+
+def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
+            budget_s: float | None) -> dict:
     model = make_model(args.size, seed=args.seed)
     compute_s = _compute_time(copy.deepcopy(model), train)
-    counter = [0.0]
-    wrapped, opt = _build(name, model, args, counter)
+    wrapped, opt = _build(name, model, args)
 
     def step(x, y) -> float:
         opt.zero_grad(set_to_none=True)
         loss = lm_loss(wrapped(x), y)
         loss.backward()
         opt.step()
+        if name == "ddp":
+            counter.add_gradients(model)
         return loss.item()
 
     total = args.warmup + args.steps
@@ -143,34 +139,57 @@ def run_one(name: str, args, train, evalset, harness) -> dict:
         step(*train[i % len(train)])
         _progress(args, name, i + 1, total)
     dist.barrier(group=harness)
-    tx0, acc0, ddp0 = _tx_bytes(args.ifname), _accounted_bytes(), counter[0]
+    tx0, acc0, ddp0 = _tx_bytes(args.ifname), _accounted_bytes(), counter.bytes
+    rounds0 = _async_rounds(wrapped)
     t0 = time.perf_counter()
     paused = 0.0
-    times, losses = [], []
+    times, losses, evals = [], [], []
     rec: dict = {}
+    every = max(1, args.steps // 4)
     i = 0
-    target = args.steps
+    target = None  # steps to run, agreed by every rank once the timed window has ended
     while True:
         losses.append(step(*train[(args.warmup + i) % len(train)]))
         i += 1
         elapsed = time.perf_counter() - t0 - paused
         times.append(elapsed)
-        if i == args.steps:
-            rec["steps_s"] = elapsed
-            rec["tx"] = _tx_bytes(args.ifname) - tx0
-            rec["accounted"] = (counter[0] - ddp0) if name == "ddp" else (
-                _accounted_bytes() - acc0)
+        if i % every == 0 or i == args.steps:
+            # Held-out loss (local, no collective), the clock paused.
             p = time.perf_counter()
-            rec["eval_loss"] = _evaluate(model, evalset)
-            # Keep training until --wall-seconds (for the loss-against-time curve); every
-            # rank must run the same number of steps, so agree on it from the slowest rank.
-            slowest = torch.tensor([elapsed], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=harness)
-            per_step = float(slowest) / args.steps
-            target = min(args.max_steps, max(args.steps, math.ceil(args.wall_seconds / per_step)))
+            loss = _evaluate(model, evalset)
+            evals.append([i, elapsed, loss])
+            if i == args.steps:
+                rec["eval_loss"] = loss
             paused += time.perf_counter() - p
+        if target is None and i >= args.steps:
+            more = False
+            if name == "async":
+                # The window must hold averaging rounds: all ranks agree to go on or stop.
+                p = time.perf_counter()
+                done = torch.tensor([_async_rounds(wrapped) - rounds0])
+                dist.all_reduce(done, op=dist.ReduceOp.MIN, group=harness)
+                more = int(done) < args.async_min_rounds and i < args.max_steps
+                paused += time.perf_counter() - p
+            if not more:
+                rec["window_steps"] = i
+                rec["steps_s"] = elapsed
+                rec["tx"] = _tx_bytes(args.ifname) - tx0
+                rec["accounted"] = (counter.bytes - ddp0) if name in TORCH_ROWS else (
+                    _accounted_bytes() - acc0)
+                rec["rounds"] = _async_rounds(wrapped) - rounds0
+                # Keep training until the wall budget (every rank the same number of steps:
+                # agreed from the slowest rank).
+                p = time.perf_counter()
+                slowest = torch.tensor([elapsed], dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=harness)
+                per_step = float(slowest) / i
+                wall = max(args.wall_seconds, budget_s or 0.0,
+                           args.budget_factor * float(slowest) if name == "ddp" else 0.0)
+                rec["budget_s"] = wall
+                target = min(args.max_steps, max(i, math.ceil(wall / per_step)))
+                paused += time.perf_counter() - p
         if "eval_at_wall" not in rec and (elapsed >= args.wall_seconds or (
-                i >= target and i >= args.steps)):
+                target is not None and i >= target)):
             # Held-out loss at wall time T (local, no collective: ranks may differ by a step).
             p = time.perf_counter()
             rec["eval_at_wall"] = _evaluate(model, evalset)
@@ -178,42 +197,50 @@ def run_one(name: str, args, train, evalset, harness) -> dict:
             paused += time.perf_counter() - p
         if i <= args.steps:
             _progress(args, name, args.warmup + i, total)
-        if i >= target:
+        if target is not None and i >= target:
             break
     if name == "async" and hasattr(wrapped, "abort"):
         wrapped.abort()
-    rec.update(times=times, losses=losses, compute_s=compute_s)
+    rec.update(times=times, losses=losses, evals=evals, compute_s=compute_s)
     dist.barrier(group=harness)
     return rec
 
 
 def _combine(name: str, recs: list[dict], args, params: int, world: int) -> dict:
     steps_s = max(r["steps_s"] for r in recs)
-    step_s = steps_s / args.steps
+    window = recs[0]["window_steps"]
+    step_s = steps_s / window
     compute_s = max(r["compute_s"] for r in recs)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    wire = [r["tx"] / local / args.steps for r in recs] if args.ifname else None
-    accounted = sum(r["accounted"] for r in recs) / len(recs) / args.steps
+    local = args.procs_per_host
+    # Every rank of a host reads the host's interface: its traffic is the host's / local.
+    wire = [r["tx"] / local / window for r in recs] if args.ifname else None
+    accounted = sum(r["accounted"] for r in recs) / len(recs) / window
     n = min(len(r["times"]) for r in recs)
     curve = [[max(r["times"][k] for r in recs), sum(r["losses"][k] for r in recs) / len(recs)]
              for k in range(n)]
-
-
+    m = min(len(r["evals"]) for r in recs)
+    evals = [[recs[0]["evals"][k][0], max(r["evals"][k][1] for r in recs),
+              sum(r["evals"][k][2] for r in recs) / len(recs)] for k in range(m)]
     return {
         "algorithm": name, "status": "ok", "reason": None, "world_size": world,
-        "params": params,
-        "samples_per_s": world * args.batch_size * args.steps / steps_s,
+        "procs_per_host": local, "params": params,
+        "samples_per_s": world * args.batch_size * window / steps_s,
         "step_s": step_s, "compute_s": compute_s, "comm_s": max(0.0, step_s - compute_s),
         "bytes_per_step": (sum(wire) / len(wire)) if wire else accounted,
         "bytes_source": "wire" if wire else "accounted",
         "bytes_per_step_accounted": accounted,
+        "window_steps": window, "window_s": steps_s,
+        "async_rounds_in_window": recs[0]["rounds"] if name == "async" else None,
+        "sync_interval_ms": args.async_interval_ms if name == "async" else None,
+        "powersgd_rank": args.powersgd_rank if name == "ddp_powersgd" else None,
         "loss": sum(r["eval_loss"] for r in recs) / len(recs),
         "train_loss": sum(c[1] for c in curve[max(0, args.steps - 5):args.steps]) / min(
             5, args.steps),
-        "wall_s": args.wall_seconds,
+        "wall_s": args.wall_seconds, "budget_s": max(r["budget_s"] for r in recs),
         "loss_at_wall": sum(r["eval_at_wall"] for r in recs) / len(recs),
         "wall_reached": all(r["wall_reached"] for r in recs),
         "steps": args.steps, "steps_run": n,
+        "eval_curve": evals,
         "loss_curve": curve[:: max(1, n // 200)],
     }
 
@@ -229,6 +256,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--qadam-warmup", type=int, default=2)
+    ap.add_argument("--procs-per-host", type=int, default=1)
+    ap.add_argument("--powersgd-rank", type=int, default=2)
+    ap.add_argument("--async-interval-ms", type=float, default=500.0)
+    ap.add_argument("--async-min-rounds", type=int, default=2)
+    ap.add_argument("--budget-factor", type=float, default=1.5)
+    ap.add_argument("--ddp-seconds", type=float, default=0.0,
+                    help="DDP's time for --steps steps when DDP ran in an earlier job")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ifname", default="")
     ap.add_argument("--out", required=True)
@@ -249,11 +283,13 @@ def main(argv=None) -> int:
     evalset = data.batches(4, 32, seed=7)
     out = Path(args.out)
     params = num_params(make_model(args.size, seed=args.seed))
+    counter = AllReduceCounter()
+    budget_s = args.budget_factor * args.ddp_seconds if args.ddp_seconds else None
     for name in args.algorithms.split(","):
         if rank == 0:
             (out / f"{name}.started").write_text(str(time.time()))
         try:
-            rec = run_one(name, args, train, evalset, harness)
+            rec = run_one(name, args, train, evalset, harness, counter, budget_s)
         except Unavailable as err:
             if rank == 0:
                 (out / f"{name}.json").write_text(json.dumps(
@@ -264,6 +300,8 @@ def main(argv=None) -> int:
             raise
         recs = [None] * world
         dist.all_gather_object(recs, rec, group=harness)
+        if name == "ddp":  # every later row trains at least this long
+            budget_s = max(r["budget_s"] for r in recs)
         if rank == 0:
             result = _combine(name, recs, args, params, world)
             (out / f"{name}.json").write_text(json.dumps(result))

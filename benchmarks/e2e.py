@@ -1,18 +1,20 @@
 """The main job: torch DDP against every bagua algorithm, end to end, on emulated networks.
 
-    python benchmarks/e2e.py --quick                      # ~3-5 minutes on 2 cores
-    python benchmarks/e2e.py --bandwidths 100,1000,none --json out/e2e.json
+    python benchmarks/e2e.py --quick          # 2 hosts x 2 processes, 100 Mbit/s: ~4 min
+    python benchmarks/e2e.py --hosts 4 --bandwidths 100,1000 --json out/e2e.json
 
 For each link bandwidth the testbed (benchmarks/testbed) emulates ``--hosts`` machines, each
 a network namespace behind a ``tc``-shaped link, and launches a real multi-node job with
-``torchrun --nnodes N`` (c10d rendezvous across the namespaces, gloo, one process per host,
-one thread each).  The job trains the same transformer on the same generated data with
-torch DDP and with each bagua algorithm (``bagua_algos.Algorithm.init(name)`` +
-``with_bagua``) and reports samples/s, time per step split into compute and exposed
-communication, bytes sent per rank per step (measured on the host's interface), the loss
-after a fixed number of steps and after a fixed wall time.  An algorithm bagua_algos does
-not provide is reported as unavailable, never skipped.  Where network namespaces cannot be
-made, the job runs as plain processes over loopback (unshaped only) and says so.
+``torchrun --nnodes N --nproc-per-node M`` (c10d rendezvous across the namespaces, gloo, one
+thread per process; the M processes of a host talk over its loopback, hosts over the shaped
+link).  The job trains the same transformer on the same generated data with torch DDP (plain,
+``fp16_compress_hook``, PowerSGD) and with each bagua algorithm and mode (``_e2e_rows``) and
+reports the wall time each needs to reach the held-out loss DDP reaches after N steps (the
+headline), samples/s, time per step split into compute and exposed communication, bytes sent
+per rank per step (measured on the host's interface), the loss after N steps and after T
+seconds.  An algorithm bagua_algos does not provide is reported as unavailable, never
+skipped.  Where network namespaces cannot be made, the job runs as plain processes over
+loopback (unshaped only) and says so.
 """
 
 from __future__ import annotations
@@ -38,15 +40,18 @@ from _e2e_report import (  # noqa: E402
     check_targets,
     plot,
     table,
+    verdict,
 )
+from _e2e_rows import default_rows  # noqa: E402
 
 WORKER = str(HERE / "_e2e_worker.py")
-ALGORITHMS = ["ddp", "gradient_allreduce", "bytegrad", "decentralized",
-              "low_precision_decentralized", "async", "qadam"]
-QUICK = {"bandwidths": "100,none", "size": "small", "steps": 8, "wall_seconds": 6.0}
-FULL = {"bandwidths": "100,1000,none", "size": "base", "steps": 30, "wall_seconds": 30.0}
+QUICK = {"bandwidths": "100", "size": "small", "steps": 6, "wall_seconds": 4.0, "hosts": 2,
+         "procs_per_host": 2, "budget_factor": 1.25}
+FULL = {"bandwidths": "100,1000,none", "size": "base", "steps": 30, "wall_seconds": 30.0,
+        "hosts": 2, "procs_per_host": 1, "budget_factor": 1.5}
 _NUMERIC = ("samples_per_s", "step_s", "compute_s", "comm_s", "bytes_per_step",
-            "bytes_per_step_accounted", "loss", "train_loss", "loss_at_wall")
+            "bytes_per_step_accounted", "loss", "train_loss", "loss_at_wall", "window_steps",
+            "window_s", "eval_curve", "loss_curve", "time_to_ddp_loss_s", "procs_per_host")
 
 
 def _bandwidths(text: str) -> list:
@@ -75,14 +80,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help=f"fewer bandwidths and steps ({QUICK}); finishes in a few minutes")
     ap.add_argument("--bandwidths", help="comma list of Mbit/s or 'none' (unshaped); "
                     f"default {FULL['bandwidths']}")
-    ap.add_argument("--algorithms", default=",".join(ALGORITHMS))
-    ap.add_argument("--hosts", type=int, default=2, help="emulated hosts (1 process each)")
+    ap.add_argument("--algorithms", help="comma list of rows (default: every row; "
+                    "bytegrad_flat only with --procs-per-host > 1)")
+    ap.add_argument("--hosts", type=int, help="emulated hosts (network namespaces; default 2)")
+    ap.add_argument("--procs-per-host", type=int,
+                    help="processes per host (torchrun --nproc-per-node): intra-node traffic "
+                         "on the host's loopback, hierarchical modes on; default 1, "
+                         "--quick 2")
     ap.add_argument("--size", choices=sorted(SIZES), help="model size (default base)")
     ap.add_argument("--steps", type=int, help="timed steps for throughput and loss@N")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--wall-seconds", type=float, help="wall time T for loss@T")
     ap.add_argument("--batch-size", type=int, default=8, help="per rank")
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--powersgd-rank", type=int, default=2, choices=[1, 2, 3, 4])
+    ap.add_argument("--async-interval-ms", type=float, default=500.0,
+                    help="AsyncModelAverage's sync_interval_ms (its timed window is extended "
+                         "until it holds 2 averaging rounds)")
+    ap.add_argument("--budget-factor", type=float,
+                    help="every row trains for max(T, this x DDP's time for N steps); "
+                         "default 1.5, --quick 1.25")
     ap.add_argument("--no-testbed", action="store_true", help="plain loopback processes")
     ap.add_argument("--json", type=Path, help="write every number here")
     ap.add_argument("--plot", type=Path, default=Path("out/e2e/e2e.png"))
@@ -99,14 +116,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.bandwidths = _bandwidths(args.bandwidths)
     except argparse.ArgumentTypeError as err:
         ap.error(str(err))
+    if args.algorithms is None:
+        args.algorithms = ",".join(default_rows(args.procs_per_host))
     args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     if "ddp" not in args.algorithms:
         args.algorithms.insert(0, "ddp")  # every ratio is against DDP from the same run
-    if args.hosts < 2:
-        ap.error(f"--hosts must be at least 2 (a distributed job), got {args.hosts}")
+    if args.hosts < 1 or args.procs_per_host < 1 or args.hosts * args.procs_per_host < 2:
+        ap.error(f"--hosts x --procs-per-host must be at least 2 (a distributed job), got "
+                 f"{args.hosts} x {args.procs_per_host}")
     if args.steps < 1 or args.warmup < 0 or args.batch_size < 1:
         ap.error("--steps and --batch-size must be >= 1 and --warmup >= 0")
     return args
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class Launcher:
@@ -116,22 +144,36 @@ class Launcher:
         self.args, self.tb = args, tb
         self.launches = 0
 
-    def start(self, algorithms: list[str], outdir: Path) -> list[subprocess.Popen]:
+    def start(self, algorithms: list[str], outdir: Path,
+              ddp_seconds: float = 0.0) -> list[subprocess.Popen]:
         a = self.args
         worker = [WORKER, "--algorithms", ",".join(algorithms), "--size", a.size,
                   "--steps", a.steps, "--warmup", a.warmup, "--wall-seconds", a.wall_seconds,
                   "--batch-size", a.batch_size, "--lr", a.lr, "--out", outdir,
+                  "--procs-per-host", a.procs_per_host, "--powersgd-rank", a.powersgd_rank,
+                  "--async-interval-ms", a.async_interval_ms,
+                  "--budget-factor", a.budget_factor, "--ddp-seconds", ddp_seconds,
                   "--ifname", self.tb.hosts[0].ifname if self.tb else ""]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.launches += 1
         procs = []
         if self.tb is None:
-            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc-per-node", str(a.hosts), *map(str, worker)]
-            log = open(outdir / "host0.log", "w")  # noqa: SIM115 (closed by the caller)
-            return [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)]
+            # Plain processes: each "host" is a torchrun agent on loopback (c10d rendezvous),
+            # so ranks still know their node (LOCAL_WORLD_SIZE = --procs-per-host).
+            port = _free_port()
+            for i in range(a.hosts):
+                argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(a.hosts),
+                        "--nproc-per-node", str(a.procs_per_host), "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+                        f"e2e{self.launches}", "--rdzv-conf", f"is_host={int(i == 0)}",
+                        "--local-addr", "127.0.0.1", *map(str, worker)]
+                log = open(outdir / f"host{i}.log", "w")  # noqa: SIM115 (closed by the caller)
+                procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                              env=env))
+            return procs
         for i in range(a.hosts):
-            argv = self.tb.torchrun_argv(i, worker, port=29400 + self.launches % 500,
+            argv = self.tb.torchrun_argv(i, worker, nproc_per_node=a.procs_per_host,
+                                         port=29400 + self.launches % 500,
                                          rdzv_id=f"e2e{self.launches}")
             log = open(outdir / f"host{i}.log", "w")  # noqa: SIM115
             procs.append(self.tb.popen(i, argv, stdout=log, stderr=subprocess.STDOUT, env=env))
@@ -167,7 +209,9 @@ def run_bandwidth(bw, args, launcher: Launcher, progress, console) -> list[dict]
         outdir.mkdir(parents=True, exist_ok=True)
         for f in outdir.glob("*"):
             f.unlink()
-        procs = launcher.start(remaining, outdir)
+        ddp = results.get("ddp", {})
+        procs = launcher.start(remaining, outdir, ddp.get("window_s") or 0.0
+                               if ddp.get("status") == "ok" else 0.0)
         last_change, last_seen = time.monotonic(), None
         stalled = False
         while any(p.poll() is None for p in procs):
@@ -238,7 +282,7 @@ def main(argv=None) -> int:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-        console = Console() if sys.stdout.isatty() else Console(width=150)
+        console = Console() if sys.stdout.isatty() else Console(width=160)
 
         def progress_bar():
             return Progress("[progress.description]{task.description}", BarColumn(),
@@ -287,22 +331,26 @@ def main(argv=None) -> int:
             tb.close()
     add_ratios(runs)
     targets = check_targets(runs)
-    mode = (f"testbed: {args.hosts} hosts, {why}" if ok else
-            f"NO TESTBED ({why}): loopback processes, unshaped")
+    shape = f"{args.hosts} hosts x {args.procs_per_host} processes"
+    mode = (f"testbed: {shape}, {why}" if ok else
+            f"NO TESTBED ({why}): {shape} as loopback processes, unshaped")
     console.print(table(runs, f"bagua end to end vs torch DDP ({mode})"))
     png = plot(runs, args.plot, subtitle=f"{num_params(model) / 1e6:.2f}M-param transformer, "
                f"{mode}")
     console.print(f"plot: {png}" if png else "plot: skipped (pip install matplotlib)")
     for t in targets:
         mark = "[green]met[/]" if t["met"] else "[red]not met[/]"
+        value = "none reached it" if t["value"] is None else f"{t['value']:.2f}"
         console.print(f"target {t['target']} ({bw_label(t['bandwidth_mbit'])}, "
-                      f"{t['algorithm']}): {t['value']:.2f}, need {t['need']}: {mark}")
+                      f"{t['algorithm']}): {value}, need {t['need']}: {mark}")
+    lines = verdict(runs, targets)
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "testbed": {"used": ok, "why": why, "mode": tb.mode if tb else None},
         "model": {"size": args.size, "params": num_params(model),
                   "loss_at_init": initial_loss(data.vocab), "loss_floor": data.entropy()},
-        "runs": runs, "targets": targets, "plot": str(png) if png else None,
+        "runs": runs, "targets": targets, "verdict": lines,
+        "plot": str(png) if png else None,
         "elapsed_s": time.monotonic() - t_start,
     }
     for path in {args.json, args.plot.with_suffix(".json")} - {None}:
@@ -310,6 +358,8 @@ def main(argv=None) -> int:
         path.write_text(json.dumps(report, indent=1))
     console.print(f"json: {args.json or args.plot.with_suffix('.json')}; "
                   f"took {report['elapsed_s']:.0f}s")
+    for line in lines:
+        console.print(f"[bold]verdict[/]: {line}")
     return 0
 
 

@@ -185,16 +185,36 @@ def test_shaping_really_limits_bandwidth():
 
 
 _ALLREDUCE = textwrap.dedent("""
-    import json, os, torch, torch.distributed as dist
+    import json, os, socket, torch, torch.distributed as dist
     dist.init_process_group("gloo")
     t = torch.arange(4, dtype=torch.float32) * (dist.get_rank() + 1)
     dist.all_reduce(t)
+    # The address this process's namespace owns (its host's), as seen by a UDP "connect".
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.connect((os.environ["MASTER_ADDR"], 9))
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "world": dist.get_world_size(),
                                   "node": int(os.environ["GROUP_RANK"]),
+                                  "local_rank": int(os.environ["LOCAL_RANK"]),
+                                  "local_world": int(os.environ["LOCAL_WORLD_SIZE"]),
+                                  "addr": s.getsockname()[0],
                                   "master": os.environ["MASTER_ADDR"], "sum": t.tolist()}),
           flush=True)
     dist.destroy_process_group()
 """)
+
+
+def _torchrun_job(tb, script, nproc_per_node: int) -> list[dict]:
+    procs = [tb.popen(i, tb.torchrun_argv(i, [script], nproc_per_node=nproc_per_node,
+                                          rdzv_id="test"),
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(tb.n_hosts)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    results = []
+    for host, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, out[-3000:]
+        results += [{**json.loads(ln.split(" ", 1)[1]), "host": host}
+                    for ln in out.splitlines() if ln.startswith("RESULT ")]
+    return results
 
 
 @pytest.mark.testbed
@@ -204,15 +224,7 @@ def test_two_host_torchrun_rendezvouses_across_namespaces(tmp_path):
     script = tmp_path / "allreduce.py"
     script.write_text(_ALLREDUCE)
     with Testbed(n_hosts=2, bandwidth_mbit=1000, name=TBR) as tb:
-        procs = [tb.popen(i, tb.torchrun_argv(i, [script], rdzv_id="test"),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for i in range(2)]
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-        results = []
-        for p, out in zip(procs, outs):
-            assert p.returncode == 0, out[-3000:]
-            results += [json.loads(ln.split(" ", 1)[1]) for ln in out.splitlines()
-                        if ln.startswith("RESULT ")]
+        results = _torchrun_job(tb, script, 1)
         expected = [float(k * (1 + 2)) for k in range(4)]  # ranks 0 and 1: t*(1) + t*(2)
         assert sorted(r["rank"] for r in results) == [0, 1]
         assert sorted(r["node"] for r in results) == [0, 1]
@@ -241,3 +253,44 @@ def test_command_line_up_status_down():
                               timeout=60)
     assert down.returncode == 0 and "removed 2 namespaces" in down.stdout
     assert leftovers(name) == {"netns": [], "links": []}
+
+
+@pytest.mark.testbed
+@pytest.mark.skipif(not OK, reason=WHY)
+@pytest.mark.timeout(300)
+def test_two_by_two_torchrun_has_the_right_local_ranks_on_each_host(tmp_path):
+    """torchrun --nnodes 2 --nproc-per-node 2 across two namespaces: ranks 2h and 2h+1 live on
+    host h with local ranks 0 and 1, and every process is in its host's namespace."""
+    script = tmp_path / "allreduce.py"
+    script.write_text(_ALLREDUCE)
+    with Testbed(n_hosts=2, bandwidth_mbit=1000, name=TBR) as tb:
+        results = _torchrun_job(tb, script, 2)
+        assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
+        expected = [float(k * (1 + 2 + 3 + 4)) for k in range(4)]
+        for r in results:
+            assert r["world"] == 4 and r["local_world"] == 2 and r["sum"] == expected
+            assert r["node"] == r["host"] == r["rank"] // 2      # contiguous ranks per host
+            assert r["local_rank"] == r["rank"] % 2
+            assert r["addr"] == tb.hosts[r["host"]].addr
+        for h in range(2):
+            assert sorted(r["local_rank"] for r in results if r["host"] == h) == [0, 1]
+
+
+@pytest.mark.testbed
+@needs_root
+def test_four_hosts_come_up_and_go_down_cleanly():
+    name = _name("tb4")
+    with Testbed(n_hosts=4, bandwidth_mbit=100, name=name) as tb:
+        left = leftovers(name)
+        assert left["netns"] == [f"{name}-h{i}" for i in range(4)]
+        assert sorted(left["links"]) == sorted([f"{name}-br"] + [f"{name}-v{i}" for i in range(4)])
+        assert len({h.addr for h in tb.hosts}) == 4
+        for i, h in enumerate(tb.hosts):   # each host has its address and a shaped link
+            q = tb.run(i, ["tc", "qdisc", "show", "dev", h.ifname], capture_output=True,
+                       text=True, check=True).stdout
+            assert "tbf" in q and "rate 100Mbit" in q
+            a = tb.run(i, ["ip", "-4", "-o", "addr", "show", h.ifname], capture_output=True,
+                       text=True, check=True).stdout
+            assert f"{h.addr}/24" in a
+    assert leftovers(name) == {"netns": [], "links": []}
+    assert not (Path("/etc/netns") / f"{name}-h0").exists()

@@ -164,3 +164,46 @@ def test_shift_one_pairing_rotates_halves():
         Decentralized(peer_selection_mode="ring")
     with pytest.raises(ValueError, match="communication_interval"):
         Decentralized(communication_interval=0)
+
+
+def test_peer_exchanges_post_every_receive_before_any_send(monkeypatch):
+    """On gloo a send waits for its peer's "ready to receive" notice; posted after the peer's
+    own large send, that notice queues behind it and the two directions take turns."""
+    from types import SimpleNamespace
+
+    import bagua_algos.decentralized as dec
+    import bagua_algos.low_precision_decentralized as lpd
+
+    calls = []
+
+    class Done:
+        def wait(self):
+            pass
+
+    def fake(kind):
+        def op(tensor, peer, *, group=None, async_op=False):
+            calls.append((kind, peer))
+            return Done()
+        return op
+
+    monkeypatch.setattr(dec.bc, "send", fake("send"))
+    monkeypatch.setattr(dec.bc, "recv", fake("recv"))
+    dec.exchange_shift_one(torch.ones(4), SimpleNamespace(rank=0, size=4), 1)
+    assert calls == [("recv", 3), ("send", 3)]
+
+    class Codec:  # identity "compression": only the order of the exchange matters here
+        def compress(self, t):
+            return t.clone()
+
+        def decompress(self, payload, out):
+            out.copy_(payload)
+
+    for method, args in (("_ring_step", (0, torch.ones(4))), ("_resync_replicas", (0,))):
+        calls.clear()
+        impl = SimpleNamespace(ring=SimpleNamespace(rank=1, size=3), mine=[torch.zeros(4)],
+                               left=[torch.zeros(4)], right=[torch.zeros(4)],
+                               compressor=Codec())
+        getattr(lpd.LowPrecisionDecentralizedImpl, method)(impl, *args)
+        kinds = [k for k, _ in calls]
+        assert sorted(calls) == [("recv", 0), ("recv", 2), ("send", 0), ("send", 2)], method
+        assert kinds == ["recv", "recv", "send", "send"], method

@@ -71,11 +71,11 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         add the same decoded differences."""
         g = self.ring
         left_rank, right_rank = (g.rank - 1) % g.size, (g.rank + 1) % g.size
-        works = [bc.send(self.mine[i], p, group=g, async_op=True)
-                 for p in {left_rank, right_rank}]
-        works.append(bc.recv(self.left[i], left_rank, group=g, async_op=True))
+        works = [bc.recv(self.left[i], left_rank, group=g, async_op=True)]
         if right_rank != left_rank:
             works.append(bc.recv(self.right[i], right_rank, group=g, async_op=True))
+        works += [bc.send(self.mine[i], p, group=g, async_op=True)
+                  for p in {left_rank, right_rank}]
         for work in works:
             work.wait()
         if right_rank == left_rank:
@@ -94,10 +94,9 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         from_left = torch.empty_like(payload)
         from_right = torch.empty_like(payload) if left_rank != right_rank else from_left
         peers = {left_rank: from_left, right_rank: from_right}
-        works = []
-        for peer, buf in peers.items():
-            works.append(bc.send(payload, peer, group=g, async_op=True))
-            works.append(bc.recv(buf, peer, group=g, async_op=True))
+        # Every receive posted before any send (see decentralized.exchange_shift_one).
+        works = [bc.recv(buf, peer, group=g, async_op=True) for peer, buf in peers.items()]
+        works += [bc.send(payload, peer, group=g, async_op=True) for peer in peers]
         for work in works:
             work.wait()
         for replica, buf in ((left, from_left), (right, from_right)):

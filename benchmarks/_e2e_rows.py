@@ -1,0 +1,157 @@
+"""What each row of the main job trains with: torch DDP (plain, ``fp16_compress_hook``,
+PowerSGD) and the bagua algorithms, with the modes that trade bytes differently as rows of
+their own.
+
+A row is ``(kind, registry name, keyword arguments, note)``.  ``kind`` is ``"torch"`` for DDP
+and its communication hooks, ``"bagua"`` for ``bagua_algos.Algorithm.init(name, **kwargs)``.
+Algorithms that have a ``hierarchical`` mode run it whenever a host has more than one
+process (``procs_per_host > 1``), and flat otherwise (one process per node has nothing to
+average inside a node); ``bytegrad_flat`` is ByteGrad forced flat, beside it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+TORCH_ROWS = ("ddp", "ddp_fp16", "ddp_powersgd")
+HIERARCHICAL = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized")
+DEFAULT_ROWS = ["ddp", "ddp_fp16", "ddp_powersgd", "gradient_allreduce", "bytegrad",
+                "bytegrad_flat", "decentralized", "decentralized_shift_one",
+                "low_precision_decentralized", "async", "qadam"]
+_VARIANTS = {  # row name: (registry name, fixed keyword arguments)
+    "bytegrad_flat": ("bytegrad", {"hierarchical": False}),
+    "decentralized": ("decentralized", {"peer_selection_mode": "all"}),
+    "decentralized_shift_one": ("decentralized", {"peer_selection_mode": "shift_one"}),
+}
+
+
+def default_rows(procs_per_host: int) -> list[str]:
+    """The rows of a run: ``bytegrad_flat`` only where there is a hierarchy to compare."""
+    return [r for r in DEFAULT_ROWS if procs_per_host > 1 or r != "bytegrad_flat"]
+
+
+def bagua_spec(row: str, procs_per_host: int) -> tuple[str, dict]:
+    """``(registry name, kwargs)`` of a bagua row."""
+    name, kwargs = _VARIANTS.get(row, (row, {}))
+    kwargs = dict(kwargs)
+    if name in HIERARCHICAL and "hierarchical" not in kwargs:
+        kwargs["hierarchical"] = procs_per_host > 1
+    return name, kwargs
+
+
+def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2,
+              async_interval_ms: float | None = None) -> str:
+    """The short mode description printed in the table's ``mode`` column."""
+    if row == "ddp":
+        return "built-in"
+    if row == "ddp_fp16":
+        return "fp16 hook"
+    if row == "ddp_powersgd":
+        return f"rank {powersgd_rank}, EF, warm"
+    if row == "async":
+        return f"every {async_interval_ms:g}ms"
+    _name, kwargs = bagua_spec(row, procs_per_host)
+    parts = []
+    if "peer_selection_mode" in kwargs:
+        parts.append(kwargs["peer_selection_mode"])
+    if "hierarchical" in kwargs:
+        parts.append("hier" if kwargs["hierarchical"] else "flat")
+    return ", ".join(parts)
+
+
+# -- byte accounting for torch's hooks ------------------------------------------------------
+class AllReduceCounter:
+    """Counts the bytes DDP's hooks hand to ``torch.distributed.all_reduce`` on the default
+    group, as a ring allreduce sends them (``2 (n-1)/n`` of the tensor per rank).
+
+    ``fp16_compress_hook`` and ``powerSGD_hook`` call ``dist.all_reduce`` (the module
+    attribute) with the default group, so wrapping it sees their traffic; the harness's own
+    collectives pass their own group and are not counted.  Plain DDP (no hook: its C++
+    allreduce) is counted by :meth:`add_gradients`.
+    """
+
+    def __init__(self):
+        self.bytes = 0.0
+        self._lock = threading.Lock()
+        self._orig = dist.all_reduce
+
+        def counting(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            if group is None or group is dist.group.WORLD:
+                n = dist.get_world_size()
+                with self._lock:
+                    self.bytes += 2 * (n - 1) / n * tensor.numel() * tensor.element_size()
+            return self._orig(tensor, op=op, group=group, async_op=async_op)
+
+        dist.all_reduce = counting
+
+    def add_gradients(self, model) -> None:
+        """One step of plain DDP: every gradient, ring-allreduced."""
+        n = dist.get_world_size()
+        self.bytes += 2 * (n - 1) / n * sum(p.numel() * p.element_size()
+                                            for p in model.parameters() if p.requires_grad)
+
+
+def serialized(hook):
+    """Run ``hook``'s whole chain of collectives for one bucket before the next bucket's.
+
+    ``powerSGD_hook`` allreduces P, then allreduces Q from a callback of P's future.  On gloo
+    that callback runs on gloo's thread when P's allreduce finishes, while autograd keeps
+    launching the next buckets' P allreduces on the same process group: the ranks then issue
+    collectives in different orders, and gloo fails with "Received data size doesn't match
+    expected size" (or hangs).  Starting bucket ``b + 1``'s chain from the callback that ends
+    bucket ``b``'s makes the order the same on every rank (P0 Q0 P1 Q1 ...).
+    """
+    last: list = [None]
+
+    def wrapped(state, bucket):
+        out: torch.futures.Future = torch.futures.Future()
+
+        def start(_prev=None):
+            try:
+                fut = hook(state, bucket)
+            except Exception as err:  # surfaced to DDP through the returned future
+                out.set_exception(err)
+                return
+
+            def finish(f):
+                try:
+                    out.set_result(f.value())
+                except Exception as err:
+                    out.set_exception(err)
+
+            fut.add_done_callback(finish)
+
+        prev, last[0] = last[0], out
+        if prev is None:
+            start()
+        else:
+            prev.add_done_callback(start)  # runs inline when prev is already done
+        return out
+
+    return wrapped
+
+
+def build_torch(row: str, model, *, powersgd_rank: int = 2,
+                powersgd_start: int = 2, bucket_cap_mb: float | None = None):
+    """torch DDP for ``row`` with its communication hook."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel
+
+    kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    ddp = DistributedDataParallel(model, **kw)
+    if row == "ddp":
+        pass  # DDP as users run it: its built-in C++ allreduce
+    elif row == "ddp_fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif row == "ddp_powersgd":
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
+                                   start_powerSGD_iter=powersgd_start, use_error_feedback=True,
+                                   warm_start=True, random_seed=0)
+        ddp.register_comm_hook(state, serialized(psgd.powerSGD_hook))
+    else:
+        raise ValueError(f"not a torch row: {row!r}")
+    return ddp
