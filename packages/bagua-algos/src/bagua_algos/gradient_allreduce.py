@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bagua_comm as bc
 
-from ._comm import Runner, hierarchical, prepare_hierarchy
+from ._comm import Reducer
 from .algorithm import Algorithm, AlgorithmImpl
 
 
@@ -35,30 +35,10 @@ class GradientAllReduceImpl(AlgorithmImpl):
         super().__init__(group)
         self.hierarchical = hierarchical
         self.op = bc.ReduceOp.AVG if average else bc.ReduceOp.SUM
-        self.runner = Runner("bagua-allreduce")
-        if hierarchical:
-            prepare_hierarchy(group)
+        self.reducer = Reducer(group, hierarchical, "bagua-allreduce")
 
-    def allreduce(self, tensor, async_op: bool):
-        """Allreduce ``tensor`` in place (flat: gloo's async handle; hierarchical: the
-        three-stage chain on the background runner)."""
-        if not self.hierarchical:
-            return bc.allreduce_inplace(tensor, self.op, group=self.group, async_op=async_op)
-        average = self.op is bc.ReduceOp.AVG
-
-        def chain():
-            def among_leaders(t, inter):
-                bc.allreduce_inplace(t, self.op, group=inter)
-
-            hierarchical(self.group, tensor, among_leaders, average)
-
-        if async_op:
-            return self.runner.submit(chain)
-        chain()
-        return None
-
-    def bucket_ready_hook(self, module, bucket):
-        return self.allreduce(bucket.grad, async_op=True)
+    def bucket_ready_hook(self, ctx, bucket):
+        return self.reducer.allreduce(bucket.grad, self.op)
 
     def shutdown(self):
-        self.runner.close()
+        self.reducer.close()

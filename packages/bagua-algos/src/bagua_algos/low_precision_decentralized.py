@@ -8,6 +8,8 @@ import torch
 import bagua_comm as bc
 
 from ._comm import prepare_hierarchy
+from ._compression import alignment, check_compressor, make_compressor
+from ._state import export_flat, import_flat
 from .algorithm import Algorithm, AlgorithmImpl
 from .decentralized import check_bool, check_interval
 
@@ -18,20 +20,66 @@ class LowPrecisionDecentralized(Algorithm, name="low_precision_decentralized"):
     Each rank keeps replicas ``l``, ``r`` of its neighbours' weights and ``x`` of its own last
     communicated weights.  After ``optimizer.step()`` turned ``x`` into ``w``:
     ``z = w + l/3 + r/3 - 5/3 x`` (the step from ``x`` to ``(x + l + r)/3`` plus the local
-    update), ``x <- x + Q(z)`` becomes the new weights, ``Q(z)`` (MinMaxUInt8) goes to both
-    neighbours and each replica moves by the difference its owner sent.  On two ranks both
-    neighbours are the same peer, which then gets one message.  ``hierarchical=True`` averages
-    inside each node first (full precision) and runs the ring among node leaders.
+    update), ``x <- x + Q(z)`` becomes the new weights, ``Q(z)`` goes to both neighbours and
+    each replica moves by the difference its owner sent.  ``Q`` is ``compressor`` (any
+    ``bagua_comm.compression.Compressor``; default ``MinMaxUInt8`` with one chunk per
+    bucket).  On two ranks both neighbours are the same peer, which then gets one message.
+    ``hierarchical=True`` averages inside each node first (full precision) and runs the ring
+    among node leaders.
     """
 
-    def __init__(self, hierarchical: bool = True, communication_interval: int = 1):
+    def __init__(self, hierarchical: bool = True, communication_interval: int = 1,
+                 compressor=None):
         check_bool("hierarchical", hierarchical)
         check_interval(communication_interval)
+        check_compressor(compressor)
         self.hierarchical = hierarchical
         self.communication_interval = communication_interval
+        self.compressor = compressor
 
     def reify(self, group):
         return LowPrecisionDecentralizedImpl(group, self)
+
+
+class LowPrecisionDecentralizedState:
+    """Per bucket: ``mine`` (x), the replicas ``left``/``right`` (exported keyed by
+    parameter), and temporaries reused every round (the difference, its decoding, the
+    payload and the neighbours' payloads)."""
+
+    NAMES = ("mine", "left", "right")
+
+    def __init__(self, compressor):
+        self.compressor = compressor
+        self.rounds = 0
+        self.mine: list[torch.Tensor] = []
+        self.left: list[torch.Tensor] = []
+        self.right: list[torch.Tensor] = []
+        self.diff: list[torch.Tensor] = []
+        self.decoded: list[torch.Tensor] = []
+        self.payload: list[torch.Tensor | None] = []
+        self.from_left: list[torch.Tensor | None] = []
+        self.from_right: list[torch.Tensor | None] = []
+
+    def build(self, buckets) -> None:
+        self.mine = [b.weight.clone() for b in buckets]     # everyone starts equal
+        self.left = [b.weight.clone() for b in buckets]
+        self.right = [b.weight.clone() for b in buckets]
+        self.diff = [torch.empty_like(b.weight) for b in buckets]
+        self.decoded = [torch.empty_like(b.weight) for b in buckets]
+        n = len(buckets)
+        self.payload, self.from_left, self.from_right = [None] * n, [None] * n, [None] * n
+
+    def export(self, buckets) -> dict:
+        out = {"rounds": self.rounds}
+        for name in self.NAMES:
+            out[name] = export_flat(buckets, getattr(self, name))
+        return out
+
+    def load(self, buckets, state) -> None:
+        for name in self.NAMES:
+            import_flat(buckets, getattr(self, name), state[name],
+                        f"LowPrecisionDecentralized's {name!r} replicas")
+        self.rounds = int(state["rounds"])
 
 
 class LowPrecisionDecentralizedImpl(AlgorithmImpl):
@@ -42,45 +90,62 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         super().__init__(group)
         self.hierarchical = algo.hierarchical
         self.interval = algo.communication_interval
-        self.rounds = 0
         if self.hierarchical:
             prepare_hierarchy(group)
         self.ring = group.inter_node_group() if self.hierarchical else group
+        self.state = LowPrecisionDecentralizedState(make_compressor(algo.compressor, 1))
 
-    def init_operations(self, module, buckets):
-        from bagua_comm.compression import MinMaxUInt8
+    def bucket_alignment(self) -> int:
+        return alignment(self.state.compressor, 1)
 
+    @property
+    def rounds(self) -> int:
+        return self.state.rounds
+
+    def init_operations(self, ctx, buckets):
         self.buckets = buckets
-        self.compressor = MinMaxUInt8(1)
-        self.mine = [b.weight.clone() for b in buckets]     # x: my last communicated weights
-        self.left = [b.weight.clone() for b in buckets]     # replicas (everyone starts equal)
-        self.right = [b.weight.clone() for b in buckets]
+        self.state.build(buckets)
 
-    def _ring_step(self, i: int, w: torch.Tensor) -> None:
-        g = self.ring
+    def _ring_step(self, i: int, w: torch.Tensor, bucket) -> None:
+        g, st, comp = self.ring, self.state, self.state.compressor
         left_rank, right_rank = (g.rank - 1) % g.size, (g.rank + 1) % g.size
-        x, left, right = self.mine[i], self.left[i], self.right[i]
-        diff = w + left / 3 + right / 3 - x * (5 / 3)
-        payload = self.compressor.compress(diff)
-        q = torch.empty_like(diff)
-        self.compressor.decompress(payload, q)
+        x, left, right = st.mine[i], st.left[i], st.right[i]
+        diff, q = st.diff[i], st.decoded[i]
+        # diff = w + left/3 + right/3 - 5/3 x, with the rounding of that expression, in
+        # reused buffers (q is scratch until it receives the decoding)
+        torch.div(left, 3, out=diff)
+        diff.add_(w)
+        torch.div(right, 3, out=q)
+        diff.add_(q)
+        torch.mul(x, 5 / 3, out=q)
+        diff.sub_(q)
+        if diff.numel() > bucket.numel:
+            diff[bucket.numel:].zero_()
+        if st.payload[i] is None:
+            st.payload[i] = torch.empty(comp.payload_numel(diff.numel()), dtype=torch.uint8,
+                                        device=diff.device)
+        comp.compress(diff, key=bucket.name, out=st.payload[i])
+        payload = st.payload[i]
+        comp.decompress(payload, q)
         x.add_(q)
         w.copy_(x)
-        from_left = torch.empty_like(payload)
-        from_right = torch.empty_like(payload) if left_rank != right_rank else from_left
-        peers = {left_rank: from_left, right_rank: from_right}
+        if st.from_left[i] is None:
+            st.from_left[i] = torch.empty_like(payload)
+            st.from_right[i] = (torch.empty_like(payload) if left_rank != right_rank
+                                else st.from_left[i])
+        from_left, from_right = st.from_left[i], st.from_right[i]
         works = []
-        for peer, buf in peers.items():
+        for peer, buf in {left_rank: from_left, right_rank: from_right}.items():
             works.append(bc.send(payload, peer, group=g, async_op=True))
             works.append(bc.recv(buf, peer, group=g, async_op=True))
         for work in works:
             work.wait()
         for replica, buf in ((left, from_left), (right, from_right)):
-            self.compressor.decompress(buf, q)
+            comp.decompress(buf, q)
             replica.add_(q)
 
-    def post_optimizer_step_hook(self, module, optimizer):
-        if (module.step - 1) % self.interval:
+    def post_optimizer_step_hook(self, ctx, optimizer):
+        if (ctx.step - 1) % self.interval:
             return
         intra = self.group.intra_node_group() if self.hierarchical else None
         with torch.no_grad():
@@ -89,22 +154,14 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
                 if intra is not None and intra.size > 1:
                     bc.reduce_inplace(w, 0, bc.ReduceOp.AVG, group=intra)
                 if self.ring.is_member() and self.ring.size > 1:
-                    self._ring_step(i, w)
+                    self._ring_step(i, w, b)
                 if intra is not None and intra.size > 1:
                     bc.broadcast(w, 0, group=intra)
                 b.scatter_weights()
-        self.rounds += 1
+        self.state.rounds += 1
 
     def state_dict(self):
-        return {"rounds": self.rounds, "mine": [t.clone() for t in self.mine],
-                "left": [t.clone() for t in self.left], "right": [t.clone() for t in self.right]}
+        return self.state.export(self.buckets)
 
     def load_state_dict(self, state):
-        for name in ("mine", "left", "right"):
-            saved, ours = state[name], getattr(self, name)
-            if len(saved) != len(ours) or any(a.shape != b.shape for a, b in zip(saved, ours)):
-                raise ValueError(f"checkpoint's {name!r} replicas do not match this model's "
-                                 "buckets (same model and bucket_size are needed)")
-            for a, b in zip(ours, saved):
-                a.copy_(b)
-        self.rounds = int(state["rounds"])
+        self.state.load(self.buckets, state)
