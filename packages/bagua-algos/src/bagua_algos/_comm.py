@@ -158,11 +158,20 @@ class Reducer:
 
     def __init__(self, group: bc.ProcessGroup, hierarchical: bool, name: str):
         self.group = group
-        self.hierarchical = hierarchical
         self.runner = Runner(name)
-        if hierarchical:
-            prepare_hierarchy(group)
-        self.peers = group.inter_node_group() if hierarchical else group
+        self.hierarchical = hierarchical
+
+    @property
+    def hierarchical(self) -> bool:
+        return self._hierarchical
+
+    @hierarchical.setter
+    def hierarchical(self, value: bool) -> None:
+        """Switch modes between steps (collective the first time it turns True)."""
+        if value:
+            prepare_hierarchy(self.group)
+        self._hierarchical = bool(value)
+        self.peers = self.group.inter_node_group() if value else self.group
 
     def allreduce(self, tensor: torch.Tensor, op: bc.ReduceOp = bc.ReduceOp.AVG) -> Handle:
         """Allreduce ``tensor`` in place."""

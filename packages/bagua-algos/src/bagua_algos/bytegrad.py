@@ -97,6 +97,16 @@ class ByteGradState:
                                              name="bagua-bytegrad")
 
 
+def reset_residuals_note(state) -> str | None:
+    """What resetting the compressors saved in ``state`` loses (None: nothing)."""
+    saved = state.get("compressor", {}) if isinstance(state, dict) else {}
+    if isinstance(saved, dict) and (saved.get("scatter") or saved.get("gather")):
+        return ("error-feedback residuals are per rank and restart at zero (for a bit-exact "
+                "resume at the same world size, save optimizer.state_dict() on every rank "
+                "and load each rank's own file)")
+    return None
+
+
 class ByteGradImpl(AlgorithmImpl):
     def __init__(self, group, algo: ByteGrad):
         super().__init__(group)
@@ -121,6 +131,11 @@ class ByteGradImpl(AlgorithmImpl):
         state = self.state_dict()
         self.state.allreduce.share(state["compressor"])
         return state
+
+    def load_foreign_state_dict(self, state, *, world_size, rank):
+        # Residuals are one rank's quantisation error (and their chunking follows the world
+        # size): another rank's would add its error twice, so this rank's start at zero.
+        return reset_residuals_note(state)
 
     def shutdown(self):
         self.state.allreduce.close()

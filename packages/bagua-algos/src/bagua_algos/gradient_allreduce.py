@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bagua_comm as bc
 
-from ._comm import Reducer
+from ._comm import Reducer, prepare_hierarchy
 from .algorithm import Algorithm, AlgorithmImpl
 
 
@@ -33,12 +33,28 @@ class GradientAllReduce(Algorithm, name="gradient_allreduce"):
 class GradientAllReduceImpl(AlgorithmImpl):
     def __init__(self, group, hierarchical, average):
         super().__init__(group)
-        self.hierarchical = hierarchical
         self.op = bc.ReduceOp.AVG if average else bc.ReduceOp.SUM
         self.reducer = Reducer(group, hierarchical, "bagua-allreduce")
 
+    @property
+    def hierarchical(self) -> bool:
+        return self.reducer.hierarchical
+
+    @hierarchical.setter
+    def hierarchical(self, value: bool) -> None:   # the autotuner switches it between steps
+        self.reducer.hierarchical = value
+
     def bucket_ready_hook(self, ctx, bucket):
         return self.reducer.allreduce(bucket.grad, self.op)
+
+    def autotune_knobs(self):
+        """Knobs the autotuner may switch between steps: ``hierarchical`` averages either
+        way (same maths) and can pay where several ranks share a node."""
+        g = self.group
+        if g.num_nodes > 1 and g.size > g.num_nodes:
+            prepare_hierarchy(g)      # collective: every rank builds its tuner together
+            return {"hierarchical": ([False, True], False)}
+        return {}
 
     def shutdown(self):
         self.reducer.close()

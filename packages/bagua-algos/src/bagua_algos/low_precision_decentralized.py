@@ -75,11 +75,15 @@ class LowPrecisionDecentralizedState:
             out[name] = export_flat(buckets, getattr(self, name))
         return out
 
-    def load(self, buckets, state) -> None:
-        for name in self.NAMES:
-            import_flat(buckets, getattr(self, name), state[name],
-                        f"LowPrecisionDecentralized's {name!r} replicas")
-        self.rounds = int(state["rounds"])
+    def load(self, buckets, state, names=NAMES) -> int:
+        """Load ``names`` from ``state``; returns how many parameters were found (of the
+        last name)."""
+        found = 0
+        for name in names:
+            found = import_flat(buckets, getattr(self, name), state.get(name, {}),
+                                f"LowPrecisionDecentralized's {name!r} replicas")
+        self.rounds = int(state.get("rounds", 0))
+        return found
 
 
 class LowPrecisionDecentralizedImpl(AlgorithmImpl):
@@ -94,6 +98,8 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
             prepare_hierarchy(group)
         self.ring = group.inter_node_group() if self.hierarchical else group
         self.state = LowPrecisionDecentralizedState(make_compressor(algo.compressor, 1))
+        self._resync = False          # replicas to re-derive from the neighbours (resume)
+        self._mine_from_weights = False
 
     def bucket_alignment(self) -> int:
         return alignment(self.state.compressor, 1)
@@ -105,6 +111,29 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
     def init_operations(self, ctx, buckets):
         self.buckets = buckets
         self.state.build(buckets)
+
+    def forward_pre_hook(self, ctx):
+        if self._mine_from_weights:    # a checkpoint that did not cover every parameter
+            self._mine_from_weights = False
+            with torch.no_grad():
+                for x, b in zip(self.state.mine, self.buckets):
+                    x.copy_(b.gather_weights())
+
+    def _resync_replicas(self, i: int) -> None:
+        """Set the replicas of both neighbours to their ``x`` (full precision, once after a
+        resume).  Exact: a replica always equals its owner's ``x`` bit for bit, since both
+        add the same decoded differences."""
+        g, st = self.ring, self.state
+        left_rank, right_rank = (g.rank - 1) % g.size, (g.rank + 1) % g.size
+        works = [bc.send(st.mine[i], p, group=g, async_op=True)
+                 for p in {left_rank, right_rank}]
+        works.append(bc.recv(st.left[i], left_rank, group=g, async_op=True))
+        if right_rank != left_rank:
+            works.append(bc.recv(st.right[i], right_rank, group=g, async_op=True))
+        for work in works:
+            work.wait()
+        if right_rank == left_rank:
+            st.right[i].copy_(st.left[i])
 
     def _ring_step(self, i: int, w: torch.Tensor, bucket) -> None:
         g, st, comp = self.ring, self.state, self.state.compressor
@@ -154,10 +183,13 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
                 if intra is not None and intra.size > 1:
                     bc.reduce_inplace(w, 0, bc.ReduceOp.AVG, group=intra)
                 if self.ring.is_member() and self.ring.size > 1:
+                    if self._resync:
+                        self._resync_replicas(i)
                     self._ring_step(i, w, b)
                 if intra is not None and intra.size > 1:
                     bc.broadcast(w, 0, group=intra)
                 b.scatter_weights()
+        self._resync = False
         self.state.rounds += 1
 
     def state_dict(self):
@@ -165,3 +197,19 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
 
     def load_state_dict(self, state):
         self.state.load(self.buckets, state)
+        # Every rank re-derives its replicas at the next round, whichever file it loaded
+        # (rank 0 cannot know whether its peers loaded their own files or its own).
+        self._resync = True
+
+    def load_foreign_state_dict(self, state, *, world_size, rank):
+        found = self.state.load(self.buckets, state, names=("mine",))
+        if found < sum(len(b.params) for b in self.buckets):
+            self._mine_from_weights = True
+        self._resync = True
+        return ("each rank's replicas of its ring neighbours are re-derived from the "
+                "neighbours' weights (one full-precision exchange at the next round)")
+
+    def after_rebucket(self, ctx, buckets, state):
+        # the replicas are this rank's own, carried exactly: no re-derivation needed
+        self.init_operations(ctx, buckets)
+        self.state.load(buckets, state)

@@ -11,7 +11,7 @@ import bagua_comm as bc
 
 from ._compression import check_compressor
 from .algorithm import Algorithm, AlgorithmImpl
-from .bytegrad import CompressedAllReduce
+from .bytegrad import CompressedAllReduce, reset_residuals_note
 from .decentralized import check_bool
 
 
@@ -184,6 +184,11 @@ class QAdamImpl(AlgorithmImpl):
         state = self.state_dict()
         self.state.compressed.share(state["compressor"])
         return state
+
+    def load_foreign_state_dict(self, state, *, world_size, rank):
+        # Moments and step_id are ordinary optimizer state (restored by torch); only the
+        # compressors' chunking (one chunk per rank) and any residuals belong to the old job.
+        return reset_residuals_note(state)
 
     def shutdown(self):
         self.state.compressed.close()

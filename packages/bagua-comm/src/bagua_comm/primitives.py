@@ -3,7 +3,7 @@
 Every primitive validates its arguments before communicating (:mod:`._validate`), records
 the bytes it sends (:mod:`bagua_comm.traffic`), then runs on the tensors' device: CPU tensors
 through the group's torch.distributed gloo group, CUDA tensors (``nccl`` backend) through our
-NCCL binding (:mod:`._nccl_ops`).  With ``async_op=True`` it returns a
+NCCL binding (:mod:`._backends.nccl`).  With ``async_op=True`` it returns a
 :class:`~bagua_comm.work.Work`; otherwise it returns once the result is in place.
 """
 
@@ -25,7 +25,7 @@ _reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
 
 
 def _nccl():
-    from . import _nccl_ops
+    from ._backends import nccl as _nccl_ops
 
     return _nccl_ops
 

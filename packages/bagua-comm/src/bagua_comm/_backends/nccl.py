@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .ops import ReduceOp, reduce_rows
-from .work import finish
+from ..ops import ReduceOp, reduce_rows
+from ..work import finish
 
 NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
                torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
@@ -95,7 +95,7 @@ class _Launch:
 
 
 def _grouped(comm, fn):
-    from ._nccl_loader import load
+    from .._nccl_loader import load
 
     nccl = load()
     nccl.group_start()
