@@ -10,6 +10,7 @@ import torch
 
 import bagua_comm as bc
 
+from ._comm import Reducer
 from ._state import export_flat, import_flat
 from .algorithm import Algorithm, AlgorithmImpl
 
@@ -50,6 +51,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self.interval = algo.sync_interval_ms / 1000.0
         self.warmup_steps = algo.warmup_steps
         self.uses_grad_buckets = algo.warmup_steps > 0
+        self.reducer = Reducer(group, False, "bagua-async")   # warmup: flat allreduce
         self.bg_group = bc.new_group(group.ranks)     # collective: every rank, same order
         self.lock = threading.Lock()                  # held around optimizer.step()
         self.abort_event = threading.Event()
@@ -107,8 +109,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self._apply_pending()
 
     def bucket_ready_hook(self, ctx, bucket):
-        return bc.allreduce_inplace(bucket.grad, bc.ReduceOp.AVG, group=self.group,
-                                    async_op=True)
+        return self.reducer.allreduce(bucket.grad, bc.ReduceOp.AVG)
 
     def _apply_pending(self):
         if self.error is not None:

@@ -35,6 +35,10 @@ class ByteGrad(Algorithm, name="bytegrad"):
         check_bool("average", average)
         check_bool("error_feedback", error_feedback)
         check_compressor(compressor)
+        if error_feedback and compressor is not None:
+            raise ValueError("error_feedback=True configures the default compressor; a "
+                             "compressor passed in keeps its own error feedback (e.g. "
+                             "MinMaxUInt8(chunks, error_feedback=True)): drop one of the two")
         self.hierarchical = hierarchical
         self.average = average
         self.error_feedback = error_feedback

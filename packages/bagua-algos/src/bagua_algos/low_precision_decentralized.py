@@ -7,7 +7,7 @@ import torch
 
 import bagua_comm as bc
 
-from ._comm import prepare_hierarchy
+from ._comm import Reducer
 from ._compression import alignment, check_compressor, make_compressor
 from ._state import export_flat, import_flat
 from .algorithm import Algorithm, AlgorithmImpl
@@ -94,9 +94,8 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         super().__init__(group)
         self.hierarchical = algo.hierarchical
         self.interval = algo.communication_interval
-        if self.hierarchical:
-            prepare_hierarchy(group)
-        self.ring = group.inter_node_group() if self.hierarchical else group
+        self.reducer = Reducer(group, self.hierarchical, "bagua-low-precision")
+        self.ring = self.reducer.peers
         self.state = LowPrecisionDecentralizedState(make_compressor(algo.compressor, 1))
         self._resync = False          # replicas to re-derive from the neighbours (resume)
         self._mine_from_weights = False
@@ -176,18 +175,18 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
     def post_optimizer_step_hook(self, ctx, optimizer):
         if (ctx.step - 1) % self.interval:
             return
-        intra = self.group.intra_node_group() if self.hierarchical else None
         with torch.no_grad():
             for i, b in enumerate(self.buckets):
                 w = b.gather_weights()
-                if intra is not None and intra.size > 1:
-                    bc.reduce_inplace(w, 0, bc.ReduceOp.AVG, group=intra)
-                if self.ring.is_member() and self.ring.size > 1:
+
+                def ring(t, _g, i=i, b=b):
                     if self._resync:
                         self._resync_replicas(i)
-                    self._ring_step(i, w, b)
-                if intra is not None and intra.size > 1:
-                    bc.broadcast(w, 0, group=intra)
+                    self._ring_step(i, t, b)
+
+                # flat: the ring over every rank; hierarchical: node average, the ring among
+                # node leaders, node broadcast
+                self.reducer.reduce_with(w, ring, average=True)
                 b.scatter_weights()
         self._resync = False
         self.state.rounds += 1
@@ -213,3 +212,6 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         # the replicas are this rank's own, carried exactly: no re-derivation needed
         self.init_operations(ctx, buckets)
         self.state.load(buckets, state)
+
+    def shutdown(self):
+        self.reducer.close()
