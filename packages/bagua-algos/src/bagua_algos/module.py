@@ -51,6 +51,8 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
                          f"Algorithm.init('gradient_allreduce')), got {type(algorithm).__name__}")
     bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
     _check_bucket_size(bucket_size)
+    if not bc.is_initialized() and torch.distributed.is_initialized():
+        bc.init_process_group()  # adopt torch's default process group (DDP users' habit)
     if not bc.is_initialized():
         raise RuntimeError("bagua_comm is not initialised: call bagua_comm.init_process_group() "
                            "before with_bagua()")
