@@ -110,8 +110,9 @@ def _optimizer_tensors(state_dict):
 
 
 def _residuals(model):
-    comp = getattr(getattr(model.impl, "allreduce", None), "compressors", {})
-    return {f"{k}:{r}": v.clone() for k, c in comp.items() for r, v in c._residuals.items()}
+    state = getattr(model.impl, "state", None)
+    comp = getattr(getattr(state, "allreduce", None), "compressor", None)
+    return {k: v.clone() for k, v in getattr(comp, "_residuals", {}).items()}
 
 
 def _resume(case, blob):
@@ -136,8 +137,8 @@ def _resume(case, blob):
     out["params"] = params(model)
     if case == "low_precision_decentralized":
         impl = model.impl
-        out["lpd"] = ([t.clone() for t in impl.mine], [t.clone() for t in impl.left],
-                      [t.clone() for t in impl.right])
+        out["lpd"] = ([t.clone() for t in impl.state.mine],
+                      [t.clone() for t in impl.state.left], [t.clone() for t in impl.state.right])
     out["next"] = _save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                          "step": ck["step"] + MORE}) if bc.get_rank() == 0 else None
     _close(model)

@@ -23,7 +23,8 @@ class BaguaBucket:
     """
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], *, alignment: int = 1,
-                 flatten: bool = True, flatten_weights: bool = False):
+                 flatten: bool = True, flatten_weights: bool = False,
+                 names: list[str] | None = None):
         if not params:
             raise ValueError("a bucket needs at least one parameter")
         dtypes = {p.dtype for p in params}
@@ -35,6 +36,11 @@ class BaguaBucket:
         self.index = index
         self.name = f"bucket{index}"
         self.params = list(params)
+        # what each slot describes: state is keyed by these names, never by bucket index
+        self.names = list(names) if names is not None else [f"{index}.{i}"
+                                                            for i in range(len(params))]
+        if len(self.names) != len(self.params):
+            raise ValueError(f"names must name each of the {len(params)} parameters")
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.flatten = flatten
@@ -88,6 +94,16 @@ class BaguaBucket:
                     v.zero_()
                 else:
                     v.copy_(g)
+
+    def adopt_grads(self) -> None:
+        """Copy existing gradients into ``grad`` (and, flattened, re-point them at it): a
+        new layout keeps the gradients of the old one."""
+        with torch.no_grad():
+            for p, v in zip(self.params, self._grad_views):
+                if p.grad is not None:
+                    v.copy_(p.grad)
+                    if self.flatten:
+                        p.grad = v
 
     def scatter_grads(self) -> None:
         """Make every parameter's gradient equal its slice of ``grad``."""

@@ -1,21 +1,28 @@
 """The algorithm framework: a declaration (:class:`Algorithm`) reified per model into an
 implementation holding state (:class:`AlgorithmImpl`), with Bagua's phases.
 
-Phases, in the order :func:`~bagua_algos.with_bagua` drives them:
+Phases, in the order :func:`~bagua_algos.with_bagua` drives them.  Every hook receives a
+:class:`BaguaContext` ``ctx`` (the wrapped model, its optimizers, the step counter, the
+current buckets, the group), not the whole :class:`~bagua_algos.BaguaModule`:
 
-1. ``init_tensors(module)``: the parameters the algorithm communicates about.
+1. ``init_tensors(ctx)``: the parameters the algorithm communicates about.
 2. ``tensors_to_buckets(tensors, bucket_size)``: group them into buckets.
-3. ``init_operations(module, buckets)``: allocate per-bucket state (buffers, compressors).
-4. ``forward_pre_hook(module)``: before every training forward.
-5. ``bucket_ready_hook(module, bucket)``: in backward, once the bucket's last gradient has been
+3. ``init_operations(ctx, buckets)``: allocate per-bucket state (buffers, compressors).
+4. ``forward_pre_hook(ctx)``: before every training forward.
+5. ``bucket_ready_hook(ctx, bucket)``: in backward, once the bucket's last gradient has been
    accumulated; returns a handle with ``wait()`` (or ``None``) so communication overlaps the
    rest of backward.
-6. ``post_backward_hook(module)``: at the end of backward, after every bucket's handle was
+6. ``post_backward_hook(ctx)``: at the end of backward, after every bucket's handle was
    waited.
-7. ``post_optimizer_step_hook(module, optimizer)``: after each ``optimizer.step()``.
+7. ``post_optimizer_step_hook(ctx, optimizer)``: after each ``optimizer.step()``.
 
 ``state_dict()``/``load_state_dict()`` carry the algorithm's own state (residuals, peer
-replicas, counters) inside the optimizer checkpoint, so a resumed run continues exactly.
+replicas, counters) inside the optimizer checkpoint, keyed by parameter name (not by bucket),
+so a resumed run continues exactly, whatever its bucket size.  When the buckets change
+(:meth:`~bagua_algos.BaguaModule.rebucket`, or the first step's gradient order),
+``before_rebucket(ctx)`` returns the state to carry and ``after_rebucket(ctx, buckets, state)``
+rebuilds the per-bucket state from it; the defaults go through ``state_dict`` and
+``init_operations`` + ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -30,10 +37,34 @@ import bagua_comm as bc
 
 if TYPE_CHECKING:
     from ._bucket import BaguaBucket
-    from .module import BaguaModule
 
 _REGISTRY: dict[str, type[Algorithm]] = {}
 FIRST_BUCKET_SIZE = 1024 * 1024
+
+
+class BaguaContext:
+    """What an algorithm's hooks see of the wrapped model.
+
+    Attributes:
+        module: the user's ``torch.nn.Module`` (what :func:`with_bagua` wrapped).
+        optimizers: the optimizers given to :func:`with_bagua`.
+        group: the process group the algorithm communicates over.
+        step: synchronised training forwards so far (this step included, inside hooks).
+        buckets: the current buckets (they change on re-bucketing).
+    """
+
+    __slots__ = ("buckets", "group", "module", "optimizers", "step")
+
+    def __init__(self, module: torch.nn.Module, optimizers: list, group: bc.ProcessGroup):
+        self.module = module
+        self.optimizers = optimizers
+        self.group = group
+        self.step = 0
+        self.buckets: list[BaguaBucket] = []
+
+    def __repr__(self) -> str:
+        return (f"BaguaContext(step={self.step}, {len(self.buckets)} buckets, "
+                f"{len(self.optimizers)} optimizers)")
 
 
 class Algorithm:
@@ -100,11 +131,11 @@ class AlgorithmImpl:
     def bucket_alignment(self) -> int:
         return 1
 
-    def init_tensors(self, module: BaguaModule) -> list[torch.nn.Parameter]:
+    def init_tensors(self, ctx: BaguaContext) -> list[torch.nn.Parameter]:
         """Parameters that need communication, in reverse registration order (the order
         their gradients usually become ready in backward)."""
         seen, params = set(), []
-        for p in module.module.parameters():
+        for p in ctx.module.parameters():
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
@@ -135,21 +166,21 @@ class AlgorithmImpl:
         order = {id(t): i for i, t in enumerate(tensors)}
         return sorted(buckets, key=lambda b: order[id(b[0])])   # launch in readiness order
 
-    def init_operations(self, module: BaguaModule, buckets: list[BaguaBucket]) -> None:
+    def init_operations(self, ctx: BaguaContext, buckets: list[BaguaBucket]) -> None:
         """Allocate per-bucket state once buckets exist."""
 
-    def forward_pre_hook(self, module: BaguaModule) -> None:
+    def forward_pre_hook(self, ctx: BaguaContext) -> None:
         """Before each training forward (``module.step`` already counts this step)."""
 
-    def bucket_ready_hook(self, module: BaguaModule, bucket: BaguaBucket):
+    def bucket_ready_hook(self, ctx: BaguaContext, bucket: BaguaBucket):
         """In backward: every gradient of ``bucket`` is in ``bucket.grad``. Start its
         communication and return a handle with ``wait()`` (or None if done already)."""
         return None
 
-    def post_backward_hook(self, module: BaguaModule) -> None:
+    def post_backward_hook(self, ctx: BaguaContext) -> None:
         """End of backward: every bucket's communication has completed."""
 
-    def post_optimizer_step_hook(self, module: BaguaModule, optimizer) -> None:
+    def post_optimizer_step_hook(self, ctx: BaguaContext, optimizer) -> None:
         """After each ``optimizer.step()``."""
 
     # -- state and lifetime -------------------------------------------------------------------
@@ -161,6 +192,18 @@ class AlgorithmImpl:
         if state:
             raise ValueError(f"{type(self).__name__} has no state to load, got keys "
                              f"{sorted(state)}")
+
+    def before_rebucket(self, ctx: BaguaContext) -> dict:
+        """Between steps, before the buckets change: finish background work and return the
+        state to carry into the new layout (layout-independent, like :meth:`state_dict`).
+        Collective: every rank calls it at the same point."""
+        return self.state_dict()
+
+    def after_rebucket(self, ctx: BaguaContext, buckets: list[BaguaBucket],
+                       state: dict) -> None:
+        """Rebuild per-bucket state for ``buckets`` from :meth:`before_rebucket`'s state."""
+        self.init_operations(ctx, buckets)
+        self.load_state_dict(state)
 
     def load_foreign_state_dict(self, state: dict, *, world_size: int, rank: int) -> str | None:
         """Load ``state`` saved by ``rank`` of a job of ``world_size`` ranks, where that is

@@ -10,6 +10,8 @@ import torch
 
 import bagua_comm as bc
 
+from ._comm import Reducer
+from ._state import export_flat, import_flat
 from .algorithm import Algorithm, AlgorithmImpl
 
 
@@ -49,6 +51,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self.interval = algo.sync_interval_ms / 1000.0
         self.warmup_steps = algo.warmup_steps
         self.uses_grad_buckets = algo.warmup_steps > 0
+        self.reducer = Reducer(group, False, "bagua-async")   # warmup: flat allreduce
         self.bg_group = bc.new_group(group.ranks)     # collective: every rank, same order
         self.lock = threading.RLock()   # held around optimizer.step(); re-entered by step(closure)
         self.abort_event = threading.Event()
@@ -59,13 +62,35 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self._opt_hooks = []
         self._atexit_registered = False
 
-    def init_operations(self, module, buckets):
+    def init_operations(self, ctx, buckets):
         self.buckets = buckets
         self.pending = [torch.zeros_like(b.weight) for b in buckets]
         self.has_pending = False
-        for opt in module.optimizers:
-            self._opt_hooks.append(opt.register_step_pre_hook(self._lock_step))
-            self._opt_hooks.append(opt.register_step_post_hook(self._unlock_step))
+        if not self._opt_hooks:
+            for opt in ctx.optimizers:
+                self._opt_hooks.append(opt.register_step_pre_hook(self._lock_step))
+                self._opt_hooks.append(opt.register_step_post_hook(self._unlock_step))
+
+    def before_rebucket(self, ctx):
+        """Stop the averaging thread (every rank does, at the same round), carry the
+        averages not yet applied, keyed by parameter."""
+        running = self.thread is not None and not self.stopped
+        if self.thread is not None:
+            self.abort_event.set()
+            self.thread.join()
+            self.thread = None
+        with self.lock:
+            pending = export_flat(self.buckets, self.pending) if self.has_pending else {}
+        return {"running": running, "pending": pending}
+
+    def after_rebucket(self, ctx, buckets, state):
+        self.init_operations(ctx, buckets)
+        if state["pending"]:
+            import_flat(buckets, self.pending, state["pending"], "AsyncModelAverage's averages")
+            self.has_pending = True
+        if state["running"]:
+            self.stopped = False
+            self._start()
 
     def _lock_step(self, *_):
         self.lock.acquire()
@@ -74,8 +99,8 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self.lock.release()
 
     # -- training thread ------------------------------------------------------------------------
-    def forward_pre_hook(self, module):
-        if module.step <= self.warmup_steps:
+    def forward_pre_hook(self, ctx):
+        if ctx.step <= self.warmup_steps:
             self.uses_grad_buckets = True
             return
         self.uses_grad_buckets = False
@@ -83,9 +108,8 @@ class AsyncModelAverageImpl(AlgorithmImpl):
             self._start()
         self._apply_pending()
 
-    def bucket_ready_hook(self, module, bucket):
-        return bc.allreduce_inplace(bucket.grad, bc.ReduceOp.AVG, group=self.group,
-                                    async_op=True)
+    def bucket_ready_hook(self, ctx, bucket):
+        return self.reducer.allreduce(bucket.grad, bc.ReduceOp.AVG)
 
     def _apply_pending(self):
         if self.error is not None:

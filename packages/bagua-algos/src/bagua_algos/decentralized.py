@@ -7,7 +7,7 @@ import torch
 
 import bagua_comm as bc
 
-from ._comm import Runner, hierarchical, prepare_hierarchy
+from ._comm import Reducer
 from .algorithm import Algorithm, AlgorithmImpl
 
 PEER_SELECTION_MODES = ("all", "shift_one")
@@ -32,10 +32,13 @@ def shift_one_peer(rank: int, size: int, round_: int) -> int:
     return (rank - half - round_) % half
 
 
-def exchange_shift_one(buf: torch.Tensor, group: bc.ProcessGroup, round_: int) -> None:
-    """Average ``buf`` with this round's peer in ``group`` (in place)."""
+def exchange_shift_one(buf: torch.Tensor, group: bc.ProcessGroup, round_: int,
+                       theirs: torch.Tensor | None = None) -> None:
+    """Average ``buf`` with this round's peer in ``group`` (in place); ``theirs`` (optional)
+    is a reusable receive buffer shaped like ``buf``."""
     peer = shift_one_peer(group.rank, group.size, round_)
-    theirs = torch.empty_like(buf)
+    if theirs is None:
+        theirs = torch.empty_like(buf)
     # Receive posted first: on gloo a send waits for the peer's "ready to receive" notice,
     # which would otherwise queue behind the peer's own outgoing data on the same connection,
     # so the two directions ran one after the other (2x the wire time at 100 Mbit/s).
@@ -71,74 +74,95 @@ class Decentralized(Algorithm, name="decentralized"):
         return DecentralizedImpl(group, self)
 
 
+class DecentralizedState:
+    """Rounds so far, and per-bucket buffers reused every round: the weights being averaged
+    with the peers and (``shift_one``) the peer's weights being received."""
+
+    def __init__(self):
+        self.rounds = 0
+        self.peer_weights: list[torch.Tensor] = []
+        self.received: list[torch.Tensor | None] = []
+
+    def build(self, buckets, shift_one: bool) -> None:
+        self.peer_weights = [torch.empty_like(b.weight) for b in buckets]
+        self.received = [torch.empty_like(b.weight) if shift_one else None for b in buckets]
+
+
 class DecentralizedImpl(AlgorithmImpl):
     flatten_weights = True
     uses_grad_buckets = False
 
     def __init__(self, group, algo: Decentralized):
         super().__init__(group)
-        self.hierarchical = algo.hierarchical
         self.mode = algo.peer_selection_mode
         self.interval = algo.communication_interval
-        self.rounds = 0
-        self.runner = Runner("bagua-decentralized")
+        if algo.hierarchical:
+            exchanging = group.num_nodes
+            if self.mode == "shift_one" and exchanging > 1 and exchanging % 2:
+                raise ValueError(f"peer_selection_mode='shift_one' needs an even number of "
+                                 f"nodes, got {exchanging}; use 'all'")
+        elif self.mode == "shift_one" and group.size > 1 and group.size % 2:
+            raise ValueError(f"peer_selection_mode='shift_one' needs an even number of ranks, "
+                             f"got {group.size}; use 'all'")
+        self.reducer = Reducer(group, algo.hierarchical, "bagua-decentralized")
+        self.state = DecentralizedState()
         self._work = None
-        if self.hierarchical:
-            prepare_hierarchy(group)
-        exchanging = group.inter_node_group() if self.hierarchical else group
-        if self.mode == "shift_one" and exchanging.size > 1 and exchanging.size % 2:
-            raise ValueError(f"peer_selection_mode='shift_one' needs an even number of "
-                             f"{'nodes' if self.hierarchical else 'ranks'}, got "
-                             f"{exchanging.size}; use 'all'")
 
-    def init_operations(self, module, buckets):
+    @property
+    def rounds(self) -> int:
+        return self.state.rounds
+
+    def init_operations(self, ctx, buckets):
         self.buckets = buckets
-        self.peer_weights = [torch.empty_like(b.weight) for b in buckets]
+        self.state.build(buckets, self.mode == "shift_one")
 
-    def should_communicate(self, module) -> bool:
-        return (module.step - 1) % self.interval == 0
+    def should_communicate(self, ctx) -> bool:
+        return (ctx.step - 1) % self.interval == 0
 
-    def _exchange(self, buf: torch.Tensor, round_: int) -> None:
-        def among(t, g):
-            if self.mode == "all":
-                bc.allreduce_inplace(t, bc.ReduceOp.AVG, group=g)
-            else:
-                exchange_shift_one(t, g, round_)
-
-        if self.hierarchical:
-            hierarchical(self.group, buf, among, average=True)
-        elif self.group.size > 1:
-            among(buf, self.group)
-
-    def forward_pre_hook(self, module):
-        if self._work is not None or not self.should_communicate(module):
+    def forward_pre_hook(self, ctx):
+        if self._work is not None or not self.should_communicate(ctx):
             return
-        for b, peer in zip(self.buckets, self.peer_weights):
+        st = self.state
+        for b, peer in zip(self.buckets, st.peer_weights):
             peer.copy_(b.gather_weights())
-        round_ = self.rounds
+        round_, mode = st.rounds, self.mode
 
         def run():
-            for peer in self.peer_weights:
-                self._exchange(peer, round_)
+            for peer, theirs in zip(st.peer_weights, st.received):
+                def among(t, g, theirs=theirs):
+                    if mode == "all":
+                        bc.allreduce_inplace(t, bc.ReduceOp.AVG, group=g)
+                    else:
+                        exchange_shift_one(t, g, round_, theirs)
 
-        self._work = self.runner.submit(run)
+                self.reducer.reduce_with(peer, among, average=True)
 
-    def post_backward_hook(self, module):
+        self._work = self.reducer.exchange(run)
+
+    def post_backward_hook(self, ctx):
         if self._work is None:
             return
         work, self._work = self._work, None
         work.wait()
         with torch.no_grad():
-            for b, peer in zip(self.buckets, self.peer_weights):
+            for b, peer in zip(self.buckets, self.state.peer_weights):
                 b.weight.copy_(peer)
                 b.scatter_weights()
-        self.rounds += 1
+        self.state.rounds += 1
 
     def state_dict(self):
-        return {"rounds": self.rounds}
+        return {"rounds": self.state.rounds}
 
     def load_state_dict(self, state):
-        self.rounds = int(state["rounds"])
+        self.state.rounds = int(state["rounds"])
+
+    def before_rebucket(self, ctx):
+        # A forward without its backward left an exchange in flight: every rank did the same
+        # forwards, so every rank drops that round alike.
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self.state_dict()
 
     def load_foreign_state_dict(self, state, *, world_size, rank):
         # The round counter is the same on every rank; peers follow from (rank, size, round).
@@ -153,4 +177,4 @@ class DecentralizedImpl(AlgorithmImpl):
         if self._work is not None:
             self._work.wait()
             self._work = None
-        self.runner.close()
+        self.reducer.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bagua_comm as bc
 
-from ._comm import Runner, hierarchical, prepare_hierarchy
+from ._comm import Reducer, prepare_hierarchy
 from .algorithm import Algorithm, AlgorithmImpl
 
 
@@ -33,32 +33,28 @@ class GradientAllReduce(Algorithm, name="gradient_allreduce"):
 class GradientAllReduceImpl(AlgorithmImpl):
     def __init__(self, group, hierarchical, average):
         super().__init__(group)
-        self.hierarchical = hierarchical
         self.op = bc.ReduceOp.AVG if average else bc.ReduceOp.SUM
-        self.runner = Runner("bagua-allreduce")
-        if hierarchical:
-            prepare_hierarchy(group)
+        self.reducer = Reducer(group, hierarchical, "bagua-allreduce")
 
-    def allreduce(self, tensor, async_op: bool):
-        """Allreduce ``tensor`` in place (flat: gloo's async handle; hierarchical: the
-        three-stage chain on the background runner)."""
-        if not self.hierarchical:
-            return bc.allreduce_inplace(tensor, self.op, group=self.group, async_op=async_op)
-        average = self.op is bc.ReduceOp.AVG
+    @property
+    def hierarchical(self) -> bool:
+        return self.reducer.hierarchical
 
-        def chain():
-            def among_leaders(t, inter):
-                bc.allreduce_inplace(t, self.op, group=inter)
+    @hierarchical.setter
+    def hierarchical(self, value: bool) -> None:   # the autotuner switches it between steps
+        self.reducer.hierarchical = value
 
-            hierarchical(self.group, tensor, among_leaders, average)
+    def bucket_ready_hook(self, ctx, bucket):
+        return self.reducer.allreduce(bucket.grad, self.op)
 
-        if async_op:
-            return self.runner.submit(chain)
-        chain()
-        return None
-
-    def bucket_ready_hook(self, module, bucket):
-        return self.allreduce(bucket.grad, async_op=True)
+    def autotune_knobs(self):
+        """Knobs the autotuner may switch between steps: ``hierarchical`` averages either
+        way (same maths) and can pay where several ranks share a node."""
+        g = self.group
+        if g.num_nodes > 1 and g.size > g.num_nodes:
+            prepare_hierarchy(g)      # collective: every rank builds its tuner together
+            return {"hierarchical": ([False, True], False)}
+        return {}
 
     def shutdown(self):
-        self.runner.close()
+        self.reducer.close()

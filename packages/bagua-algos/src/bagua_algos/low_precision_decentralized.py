@@ -7,7 +7,9 @@ import torch
 
 import bagua_comm as bc
 
-from ._comm import prepare_hierarchy
+from ._comm import Reducer
+from ._compression import alignment, check_compressor, make_compressor
+from ._state import export_flat, import_flat
 from .algorithm import Algorithm, AlgorithmImpl
 from .decentralized import check_bool, check_interval
 
@@ -18,20 +20,70 @@ class LowPrecisionDecentralized(Algorithm, name="low_precision_decentralized"):
     Each rank keeps replicas ``l``, ``r`` of its neighbours' weights and ``x`` of its own last
     communicated weights.  After ``optimizer.step()`` turned ``x`` into ``w``:
     ``z = w + l/3 + r/3 - 5/3 x`` (the step from ``x`` to ``(x + l + r)/3`` plus the local
-    update), ``x <- x + Q(z)`` becomes the new weights, ``Q(z)`` (MinMaxUInt8) goes to both
-    neighbours and each replica moves by the difference its owner sent.  On two ranks both
-    neighbours are the same peer, which then gets one message.  ``hierarchical=True`` averages
-    inside each node first (full precision) and runs the ring among node leaders.
+    update), ``x <- x + Q(z)`` becomes the new weights, ``Q(z)`` goes to both neighbours and
+    each replica moves by the difference its owner sent.  ``Q`` is ``compressor`` (any
+    ``bagua_comm.compression.Compressor``; default ``MinMaxUInt8`` with one chunk per
+    bucket).  On two ranks both neighbours are the same peer, which then gets one message.
+    ``hierarchical=True`` averages inside each node first (full precision) and runs the ring
+    among node leaders.
     """
 
-    def __init__(self, hierarchical: bool = True, communication_interval: int = 1):
+    def __init__(self, hierarchical: bool = True, communication_interval: int = 1,
+                 compressor=None):
         check_bool("hierarchical", hierarchical)
         check_interval(communication_interval)
+        check_compressor(compressor)
         self.hierarchical = hierarchical
         self.communication_interval = communication_interval
+        self.compressor = compressor
 
     def reify(self, group):
         return LowPrecisionDecentralizedImpl(group, self)
+
+
+class LowPrecisionDecentralizedState:
+    """Per bucket: ``mine`` (x), the replicas ``left``/``right`` (exported keyed by
+    parameter), and temporaries reused every round (the difference, its decoding, the
+    payload and the neighbours' payloads)."""
+
+    NAMES = ("mine", "left", "right")
+
+    def __init__(self, compressor):
+        self.compressor = compressor
+        self.rounds = 0
+        self.mine: list[torch.Tensor] = []
+        self.left: list[torch.Tensor] = []
+        self.right: list[torch.Tensor] = []
+        self.diff: list[torch.Tensor] = []
+        self.decoded: list[torch.Tensor] = []
+        self.payload: list[torch.Tensor | None] = []
+        self.from_left: list[torch.Tensor | None] = []
+        self.from_right: list[torch.Tensor | None] = []
+
+    def build(self, buckets) -> None:
+        self.mine = [b.weight.clone() for b in buckets]     # everyone starts equal
+        self.left = [b.weight.clone() for b in buckets]
+        self.right = [b.weight.clone() for b in buckets]
+        self.diff = [torch.empty_like(b.weight) for b in buckets]
+        self.decoded = [torch.empty_like(b.weight) for b in buckets]
+        n = len(buckets)
+        self.payload, self.from_left, self.from_right = [None] * n, [None] * n, [None] * n
+
+    def export(self, buckets) -> dict:
+        out = {"rounds": self.rounds}
+        for name in self.NAMES:
+            out[name] = export_flat(buckets, getattr(self, name))
+        return out
+
+    def load(self, buckets, state, names=NAMES) -> int:
+        """Load ``names`` from ``state``; returns how many parameters were found (of the
+        last name)."""
+        found = 0
+        for name in names:
+            found = import_flat(buckets, getattr(self, name), state.get(name, {}),
+                                f"LowPrecisionDecentralized's {name!r} replicas")
+        self.rounds = int(state.get("rounds", 0))
+        return found
 
 
 class LowPrecisionDecentralizedImpl(AlgorithmImpl):
@@ -42,57 +94,74 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         super().__init__(group)
         self.hierarchical = algo.hierarchical
         self.interval = algo.communication_interval
-        self.rounds = 0
-        if self.hierarchical:
-            prepare_hierarchy(group)
-        self.ring = group.inter_node_group() if self.hierarchical else group
+        self.reducer = Reducer(group, self.hierarchical, "bagua-low-precision")
+        self.ring = self.reducer.peers
+        self.state = LowPrecisionDecentralizedState(make_compressor(algo.compressor, 1))
         self._resync = False          # replicas to re-derive from the neighbours (resume)
         self._mine_from_weights = False
 
-    def init_operations(self, module, buckets):
-        from bagua_comm.compression import MinMaxUInt8
+    def bucket_alignment(self) -> int:
+        return alignment(self.state.compressor, 1)
 
+    @property
+    def rounds(self) -> int:
+        return self.state.rounds
+
+    def init_operations(self, ctx, buckets):
         self.buckets = buckets
-        self.compressor = MinMaxUInt8(1)
-        self.mine = [b.weight.clone() for b in buckets]     # x: my last communicated weights
-        self.left = [b.weight.clone() for b in buckets]     # replicas (everyone starts equal)
-        self.right = [b.weight.clone() for b in buckets]
+        self.state.build(buckets)
 
-    def forward_pre_hook(self, module):
-        if self._mine_from_weights:    # a checkpoint whose buckets did not fit
+    def forward_pre_hook(self, ctx):
+        if self._mine_from_weights:    # a checkpoint that did not cover every parameter
             self._mine_from_weights = False
             with torch.no_grad():
-                for x, b in zip(self.mine, self.buckets):
+                for x, b in zip(self.state.mine, self.buckets):
                     x.copy_(b.gather_weights())
 
     def _resync_replicas(self, i: int) -> None:
         """Set the replicas of both neighbours to their ``x`` (full precision, once after a
         resume).  Exact: a replica always equals its owner's ``x`` bit for bit, since both
         add the same decoded differences."""
-        g = self.ring
+        g, st = self.ring, self.state
         left_rank, right_rank = (g.rank - 1) % g.size, (g.rank + 1) % g.size
-        works = [bc.recv(self.left[i], left_rank, group=g, async_op=True)]
+        works = [bc.recv(st.left[i], left_rank, group=g, async_op=True)]
         if right_rank != left_rank:
-            works.append(bc.recv(self.right[i], right_rank, group=g, async_op=True))
-        works += [bc.send(self.mine[i], p, group=g, async_op=True)
+            works.append(bc.recv(st.right[i], right_rank, group=g, async_op=True))
+        works += [bc.send(st.mine[i], p, group=g, async_op=True)
                   for p in {left_rank, right_rank}]
         for work in works:
             work.wait()
         if right_rank == left_rank:
-            self.right[i].copy_(self.left[i])
+            st.right[i].copy_(st.left[i])
 
-    def _ring_step(self, i: int, w: torch.Tensor) -> None:
-        g = self.ring
+    def _ring_step(self, i: int, w: torch.Tensor, bucket) -> None:
+        g, st, comp = self.ring, self.state, self.state.compressor
         left_rank, right_rank = (g.rank - 1) % g.size, (g.rank + 1) % g.size
-        x, left, right = self.mine[i], self.left[i], self.right[i]
-        diff = w + left / 3 + right / 3 - x * (5 / 3)
-        payload = self.compressor.compress(diff)
-        q = torch.empty_like(diff)
-        self.compressor.decompress(payload, q)
+        x, left, right = st.mine[i], st.left[i], st.right[i]
+        diff, q = st.diff[i], st.decoded[i]
+        # diff = w + left/3 + right/3 - 5/3 x, with the rounding of that expression, in
+        # reused buffers (q is scratch until it receives the decoding)
+        torch.div(left, 3, out=diff)
+        diff.add_(w)
+        torch.div(right, 3, out=q)
+        diff.add_(q)
+        torch.mul(x, 5 / 3, out=q)
+        diff.sub_(q)
+        if diff.numel() > bucket.numel:
+            diff[bucket.numel:].zero_()
+        if st.payload[i] is None:
+            st.payload[i] = torch.empty(comp.payload_numel(diff.numel()), dtype=torch.uint8,
+                                        device=diff.device)
+        comp.compress(diff, key=bucket.name, out=st.payload[i])
+        payload = st.payload[i]
+        comp.decompress(payload, q)
         x.add_(q)
         w.copy_(x)
-        from_left = torch.empty_like(payload)
-        from_right = torch.empty_like(payload) if left_rank != right_rank else from_left
+        if st.from_left[i] is None:
+            st.from_left[i] = torch.empty_like(payload)
+            st.from_right[i] = (torch.empty_like(payload) if left_rank != right_rank
+                                else st.from_left[i])
+        from_left, from_right = st.from_left[i], st.from_right[i]
         peers = {left_rank: from_left, right_rank: from_right}
         # Every receive posted before any send (see decentralized.exchange_shift_one).
         works = [bc.recv(buf, peer, group=g, async_op=True) for peer, buf in peers.items()]
@@ -100,54 +169,49 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         for work in works:
             work.wait()
         for replica, buf in ((left, from_left), (right, from_right)):
-            self.compressor.decompress(buf, q)
+            comp.decompress(buf, q)
             replica.add_(q)
 
-    def post_optimizer_step_hook(self, module, optimizer):
-        if (module.step - 1) % self.interval:
+    def post_optimizer_step_hook(self, ctx, optimizer):
+        if (ctx.step - 1) % self.interval:
             return
-        intra = self.group.intra_node_group() if self.hierarchical else None
         with torch.no_grad():
             for i, b in enumerate(self.buckets):
                 w = b.gather_weights()
-                if intra is not None and intra.size > 1:
-                    bc.reduce_inplace(w, 0, bc.ReduceOp.AVG, group=intra)
-                if self.ring.is_member() and self.ring.size > 1:
+
+                def ring(t, _g, i=i, b=b):
                     if self._resync:
                         self._resync_replicas(i)
-                    self._ring_step(i, w)
-                if intra is not None and intra.size > 1:
-                    bc.broadcast(w, 0, group=intra)
+                    self._ring_step(i, t, b)
+
+                # flat: the ring over every rank; hierarchical: node average, the ring among
+                # node leaders, node broadcast
+                self.reducer.reduce_with(w, ring, average=True)
                 b.scatter_weights()
         self._resync = False
-        self.rounds += 1
+        self.state.rounds += 1
 
     def state_dict(self):
-        return {"rounds": self.rounds, "mine": [t.clone() for t in self.mine],
-                "left": [t.clone() for t in self.left], "right": [t.clone() for t in self.right]}
+        return self.state.export(self.buckets)
 
     def load_state_dict(self, state):
-        for name in ("mine", "left", "right"):
-            saved, ours = state[name], getattr(self, name)
-            if len(saved) != len(ours) or any(a.shape != b.shape for a, b in zip(saved, ours)):
-                raise ValueError(f"checkpoint's {name!r} replicas do not match this model's "
-                                 "buckets (same model and bucket_size are needed)")
-            for a, b in zip(ours, saved):
-                a.copy_(b)
-        self.rounds = int(state["rounds"])
+        self.state.load(self.buckets, state)
         # Every rank re-derives its replicas at the next round, whichever file it loaded
         # (rank 0 cannot know whether its peers loaded their own files or its own).
         self._resync = True
 
     def load_foreign_state_dict(self, state, *, world_size, rank):
-        self.rounds = int(state.get("rounds", 0))
-        saved = state.get("mine", [])
-        if len(saved) == len(self.mine) and all(a.shape == b.shape
-                                                for a, b in zip(saved, self.mine)):
-            for a, b in zip(self.mine, saved):
-                a.copy_(b)
-        else:
+        found = self.state.load(self.buckets, state, names=("mine",))
+        if found < sum(len(b.params) for b in self.buckets):
             self._mine_from_weights = True
         self._resync = True
         return ("each rank's replicas of its ring neighbours are re-derived from the "
                 "neighbours' weights (one full-precision exchange at the next round)")
+
+    def after_rebucket(self, ctx, buckets, state):
+        # the replicas are this rank's own, carried exactly: no re-derivation needed
+        self.init_operations(ctx, buckets)
+        self.state.load(buckets, state)
+
+    def shutdown(self):
+        self.reducer.close()

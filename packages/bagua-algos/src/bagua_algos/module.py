@@ -14,7 +14,7 @@ from torch.autograd import Variable
 import bagua_comm as bc
 
 from ._bucket import BaguaBucket
-from .algorithm import Algorithm, AlgorithmImpl
+from .algorithm import Algorithm, AlgorithmImpl, BaguaContext
 
 DEFAULT_BUCKET_SIZE = 10 * 1024 * 1024
 _STATE_KEY = "bagua_algos"
@@ -50,8 +50,7 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
         raise ValueError("algorithm must be a bagua_algos.Algorithm (e.g. GradientAllReduce() or "
                          f"Algorithm.init('gradient_allreduce')), got {type(algorithm).__name__}")
     bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
-    if not isinstance(bucket_size, int) or bucket_size <= 0:
-        raise ValueError(f"bucket_size must be a positive number of bytes, got {bucket_size!r}")
+    _check_bucket_size(bucket_size)
     if not bc.is_initialized() and torch.distributed.is_initialized():
         bc.init_process_group()  # adopt torch's default process group (DDP users' habit)
     if not bc.is_initialized():
@@ -87,6 +86,12 @@ def _broadcast_tensors(tensors: Iterable[torch.Tensor], group: bc.ProcessGroup) 
                 off += t.numel()
 
 
+def _check_bucket_size(bucket_size) -> None:
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
+        raise ValueError(f"bucket_size must be a positive int number of bytes (e.g. "
+                         f"{DEFAULT_BUCKET_SIZE} for 10 MiB), got {bucket_size!r}")
+
+
 def _flat_on_one_level(algorithm: Algorithm, group: bc.ProcessGroup) -> Algorithm:
     """The algorithm to run: a hierarchical mode needs several nodes with several processes
     each.  On one node there is no inter-node link to save, and a hierarchical mode would
@@ -120,14 +125,18 @@ class BaguaModule(torch.nn.Module):
         self.optimizers = optimizers
         self.group = group
         self.do_flatten = do_flatten
-        self.bucket_size = bucket_size
-        self.step = 0                      # synchronised training forwards so far
+        self.ctx = BaguaContext(module, optimizers, group)
+        self._bucket_size = bucket_size
         self._sync = True
         self._handles: list = []
         self._hooks: list = []
         self._cb_queued = False
         self._ready: set[int] = set()
         self._comm_stream = None
+        # bucket order: the gradient-ready order of the first synchronised backward (as DDP)
+        self._observing = True
+        self._observed: list[int] = []
+        self._order_pending = False
 
         _broadcast_tensors(list(module.parameters()) + list(module.buffers()), group)
         for opt in optimizers if group.size > 1 else ():
@@ -137,24 +146,108 @@ class BaguaModule(torch.nn.Module):
                 opt.load_state_dict(state)
 
         self.impl: AlgorithmImpl = _flat_on_one_level(algorithm, group).reify(group)
-        tensors = self.impl.init_tensors(self)
+        self._tensors = list(self.impl.init_tensors(self.ctx))
+        names = {id(p): n for n, p in module.named_parameters()}
+        self._names = [names.get(id(t), f"tensor{i}") for i, t in enumerate(self._tensors)]
+        self._set_buckets(self._make_buckets(self._tensors, bucket_size))
+        self.impl.init_operations(self.ctx, self.buckets)
+        self._register_hooks()
+
+    # -- buckets ------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Synchronised training forwards so far."""
+        return self.ctx.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.ctx.step = int(value)
+
+    @property
+    def bucket_size(self) -> int:
+        """The current bucket size in bytes (see :meth:`rebucket`)."""
+        return self._bucket_size
+
+    def _make_buckets(self, tensors, bucket_size) -> list[BaguaBucket]:
         groups = self.impl.tensors_to_buckets(tensors, bucket_size)
         align = self.impl.bucket_alignment()
-        self.buckets = [BaguaBucket(i, ps, alignment=align, flatten=do_flatten,
-                                    flatten_weights=self.impl.flatten_weights)
-                        for i, ps in enumerate(groups)]
-        self._bucket_of = {id(p): b.index for b in self.buckets for p in b.params}
-        self._pending = [len(b.params) for b in self.buckets]
+        name_of = {id(t): n for t, n in zip(self._tensors, self._names)}
+        return [BaguaBucket(i, ps, alignment=align, flatten=self.do_flatten,
+                            flatten_weights=self.impl.flatten_weights,
+                            names=[name_of[id(p)] for p in ps])
+                for i, ps in enumerate(groups)]
+
+    def _set_buckets(self, buckets) -> None:
+        self.buckets = buckets
+        self.ctx.buckets = buckets
+        self._bucket_of = {id(p): b.index for b in buckets for p in b.params}
+        self._pending = [len(b.params) for b in buckets]
         self._next = 0
-        self.impl.init_operations(self, self.buckets)
-        self._register_hooks()
+
+    def rebucket(self, bucket_size: int) -> None:
+        """Re-group the gradients (and weights) into buckets of ``bucket_size`` bytes.
+
+        Collective: every rank calls it with the same value, between steps (not inside
+        forward/backward).  The algorithm's state (residuals, replicas, momenta, pending
+        averages) is carried into the new buckets, so training continues as before;
+        GradientAllReduce gives the same results as a run that never re-bucketed.
+        """
+        _check_bucket_size(bucket_size)
+        if self._cb_queued or self._handles:
+            raise RuntimeError("rebucket() was called during backward; call it between "
+                               "steps (after optimizer.step(), before the next forward)")
+        if self.group.size > 1:                      # a size that differs would hang later
+            sizes = torch.tensor([bucket_size, -bucket_size], dtype=torch.int64)
+            bc.allreduce_inplace(sizes, bc.ReduceOp.MAX, group=self.group)
+            if int(sizes[0]) != -int(sizes[1]):
+                raise ValueError(f"rebucket() got different bucket_size values on different "
+                                 f"ranks (from {-int(sizes[1])} to {int(sizes[0])}); call it "
+                                 "with the same value on every rank")
+        if self._order_pending:
+            self._fix_order(relayout=False)
+        if bucket_size == self._bucket_size and not self._layout_stale:
+            return
+        self._relayout(bucket_size)
+
+    _layout_stale = False
+
+    def _relayout(self, bucket_size: int) -> None:
+        state = self.impl.before_rebucket(self.ctx)
+        self._set_buckets(self._make_buckets(self._tensors, bucket_size))
+        for b in self.buckets:
+            b.adopt_grads()
+        self.impl.after_rebucket(self.ctx, self.buckets, state)
+        self._bucket_size = bucket_size
+        self._layout_stale = False
+
+    def _fix_order(self, relayout: bool = True) -> None:
+        """Once, at the start of the second step: order the tensors by when their gradients
+        became ready in the first synchronised backward, as rank 0 saw it (every rank takes
+        rank 0's order), and rebuild the buckets in that order."""
+        self._order_pending = False
+        observed, self._observed = self._observed, []
+        if not self.impl.uses_grad_buckets:   # weight buckets: readiness order is moot
+            return
+        index = {id(t): i for i, t in enumerate(self._tensors)}
+        order = [index[k] for k in observed if k in index]
+        if self.group.size > 1:
+            order = bc.broadcast_object(order if self.group.rank == 0 else None, 0,
+                                        group=self.group)
+        seen = set(order)
+        order += [i for i in range(len(self._tensors)) if i not in seen]
+        if order == list(range(len(self._tensors))):
+            return
+        self._tensors = [self._tensors[i] for i in order]
+        self._names = [self._names[i] for i in order]
+        self._layout_stale = True
+        if relayout:
+            self._relayout(self._bucket_size)
 
     # -- hooks --------------------------------------------------------------------------------
     def _register_hooks(self) -> None:
         self._hooks.append(self.register_forward_pre_hook(self._forward_pre))
-        for b in self.buckets:
-            for p in b.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        for p in self._tensors:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         for opt in self.optimizers:
             self._hooks.append(opt.register_step_post_hook(self._optimizer_stepped))
         if self.optimizers:
@@ -164,8 +257,10 @@ class BaguaModule(torch.nn.Module):
 
     def _forward_pre(self, _module, _inputs) -> None:
         if self.training and torch.is_grad_enabled() and self._sync:
-            self.step += 1
-            self.impl.forward_pre_hook(self)
+            if self._order_pending:
+                self._fix_order()
+            self.ctx.step += 1
+            self.impl.forward_pre_hook(self.ctx)
 
     def _grad_ready(self, param) -> None:
         if not self._sync:
@@ -174,10 +269,12 @@ class BaguaModule(torch.nn.Module):
             self._cb_queued = True
             Variable._execution_engine.queue_callback(self._backward_end)
         key = id(param)
-        if key in self._ready or key not in self._bucket_of:
+        i = self._bucket_of.get(key)
+        if i is None or key in self._ready:
             return
         self._ready.add(key)
-        i = self._bucket_of[key]
+        if self._observing:
+            self._observed.append(key)
         self._pending[i] -= 1
         if self._pending[i] == 0:
             self._launch(force=False)
@@ -193,7 +290,7 @@ class BaguaModule(torch.nn.Module):
             if b.device.type == "cuda":
                 handle = self._launch_on_stream(b)
             else:
-                handle = self.impl.bucket_ready_hook(self, b)
+                handle = self.impl.bucket_ready_hook(self.ctx, b)
             self._handles.append((b, handle))
 
     def _launch_on_stream(self, bucket):
@@ -202,7 +299,7 @@ class BaguaModule(torch.nn.Module):
             self._comm_stream = torch.cuda.Stream(device=bucket.device)
         self._comm_stream.wait_stream(torch.cuda.current_stream(bucket.device))
         with torch.cuda.stream(self._comm_stream):
-            return self.impl.bucket_ready_hook(self, bucket)
+            return self.impl.bucket_ready_hook(self.ctx, bucket)
 
     def _backward_end(self) -> None:
         try:
@@ -221,10 +318,13 @@ class BaguaModule(torch.nn.Module):
             self._pending = [len(b.params) for b in self.buckets]
             self._next = 0
             self._cb_queued = False
-        self.impl.post_backward_hook(self)
+            if self._observing:
+                self._observing = False
+                self._order_pending = True
+        self.impl.post_backward_hook(self.ctx)
 
     def _optimizer_stepped(self, optimizer, _args, _kwargs) -> None:
-        self.impl.post_optimizer_step_hook(self, optimizer)
+        self.impl.post_optimizer_step_hook(self.ctx, optimizer)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def bagua_state_dict(self) -> dict:
@@ -304,14 +404,14 @@ class BaguaModule(torch.nn.Module):
         fn = getattr(self.impl, "abort", None)
         if fn is None:
             raise RuntimeError(f"{self.algorithm.name} has no background communication to abort")
-        fn(self)
+        fn(self.ctx)
 
     def resume(self) -> None:
         """Restart background communication stopped by :meth:`abort` (collective)."""
         fn = getattr(self.impl, "resume", None)
         if fn is None:
             raise RuntimeError(f"{self.algorithm.name} has no background communication to resume")
-        fn(self)
+        fn(self.ctx)
 
     def detach_algorithm(self) -> None:
         """Remove hooks and stop the algorithm (``with_bagua`` calls this when switching)."""

@@ -9,7 +9,7 @@ import torch
 
 import bagua_comm as bc
 
-from ._comm import Runner, hierarchical, prepare_hierarchy
+from ._compression import check_compressor
 from .algorithm import Algorithm, AlgorithmImpl
 from .bytegrad import CompressedAllReduce, reset_residuals_note
 from .decentralized import check_bool
@@ -90,84 +90,100 @@ class QAdamOptimizer(torch.optim.Optimizer):
 
 class QAdam(Algorithm, name="qadam"):
     """The algorithm for :class:`QAdamOptimizer`: allreduce gradients during warmup, then
-    compressed (MinMaxUInt8) allreduce of the momentum; ranks stay bit-identical."""
+    compressed allreduce of the momentum (``compressor``: any
+    ``bagua_comm.compression.Compressor``, default ``MinMaxUInt8``); ranks stay
+    bit-identical."""
 
-    def __init__(self, q_adam_optimizer: QAdamOptimizer, hierarchical: bool = True):
+    def __init__(self, q_adam_optimizer: QAdamOptimizer, hierarchical: bool = True,
+                 compressor=None):
         if not isinstance(q_adam_optimizer, QAdamOptimizer):
             raise ValueError(f"q_adam_optimizer must be a QAdamOptimizer, got "
                              f"{type(q_adam_optimizer).__name__}")
         check_bool("hierarchical", hierarchical)
+        check_compressor(compressor)
         self.optimizer = q_adam_optimizer
         self.hierarchical = hierarchical
+        self.compressor = compressor
 
     def __repr__(self) -> str:
-        return f"QAdam(hierarchical={self.hierarchical})"
+        return f"QAdam(hierarchical={self.hierarchical}, compressor={self.compressor!r})"
 
     def reify(self, group):
         return QAdamImpl(group, self)
+
+
+class QAdamState:
+    """Per-bucket momentum buffers (each parameter's ``exp_avg`` is a view of one) and the
+    compressed allreduce that averages them; the momenta themselves are optimizer state."""
+
+    def __init__(self, group, algo: QAdam):
+        # one runner for both phases: warmup gradients and compressed momenta
+        self.compressed = CompressedAllReduce(group, algo.hierarchical, algo.compressor,
+                                              average=True, name="bagua-qadam")
+        self.reducer = self.compressed.reducer
+        self.momentum: list[torch.Tensor] = []
+        self.views: list[list[torch.Tensor]] = []
+
+    def build(self, buckets) -> None:
+        self.compressed.buckets = buckets
+        self.momentum = [torch.zeros_like(b.grad) for b in buckets]
+        self.views = [[m[o:o + p.numel()].view_as(p) for o, p in zip(b.offsets, b.params)]
+                      for b, m in zip(buckets, self.momentum)]
 
 
 class QAdamImpl(AlgorithmImpl):
     def __init__(self, group, algo: QAdam):
         super().__init__(group)
         self.optimizer = algo.optimizer
-        self.hierarchical = algo.hierarchical
-        self.compressed = CompressedAllReduce(group, algo.hierarchical, average=True)
-        self.runner = Runner("bagua-qadam")
-        if algo.hierarchical:
-            prepare_hierarchy(group)
+        self.state = QAdamState(group, algo)
         self._group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
 
-    def init_tensors(self, module):
-        return [p for p in super().init_tensors(module) if id(p) in self._group_of]
+    def bucket_alignment(self) -> int:
+        return self.state.compressed.alignment()
 
-    def init_operations(self, module, buckets):
+    def init_tensors(self, ctx):
+        return [p for p in super().init_tensors(ctx) if id(p) in self._group_of]
+
+    def init_operations(self, ctx, buckets):
         self.buckets = buckets
-        self.momentum = [torch.zeros_like(b.grad) for b in buckets]
-        self._views = [[m[o:o + p.numel()].view_as(p) for o, p in zip(b.offsets, b.params)]
-                       for b, m in zip(buckets, self.momentum)]
-        for i in range(len(buckets)):
-            self._bind_momentum(i)
+        self.state.build(buckets)
+        for b in buckets:
+            self._bind_momentum(b)
 
-    def _bind_momentum(self, i):
+    def _bind_momentum(self, bucket):
         """Make each parameter's ``exp_avg`` a view of the bucket's momentum buffer (again
-        after ``optimizer.load_state_dict`` replaced it)."""
-        for p, view in zip(self.buckets[i].params, self._views[i]):
+        after ``optimizer.load_state_dict`` or a re-bucketing replaced it)."""
+        for p, view in zip(bucket.params, self.state.views[bucket.index]):
             state = self.optimizer.init_state(p)
             if state["exp_avg"].data_ptr() != view.data_ptr():
                 view.copy_(state["exp_avg"])
                 state["exp_avg"] = view
 
-    def _allreduce(self, tensor):
-        if not self.hierarchical:
-            return bc.allreduce_inplace(tensor, bc.ReduceOp.AVG, group=self.group,
-                                        async_op=True)
-
-        def among(t, inter):
-            bc.allreduce_inplace(t, bc.ReduceOp.AVG, group=inter)
-
-        return self.runner.submit(lambda: hierarchical(self.group, tensor, among, True))
-
-    def bucket_ready_hook(self, module, bucket):
+    def bucket_ready_hook(self, ctx, bucket):
         if self.optimizer.next_step_is_warmup():
-            return self._allreduce(bucket.grad)
+            return self.state.reducer.allreduce(bucket.grad, bc.ReduceOp.AVG)
         i = bucket.index
-        self._bind_momentum(i)
+        self._bind_momentum(bucket)
         with torch.no_grad():
-            for p, g, m in zip(bucket.params, bucket.grad_views(), self._views[i]):
+            for p, g, m in zip(bucket.params, bucket.grad_views(), self.state.views[i]):
                 group = self._group_of[id(p)]
                 beta1 = group["betas"][0]
                 if group["weight_decay"]:
                     g = g.add(p, alpha=group["weight_decay"])
                 m.mul_(beta1).add_(g, alpha=1 - beta1)
                 self.optimizer.momentum_ready.add(id(p))
-        return self.compressed(self.momentum[i], bucket.name)
+        return self.state.compressed(self.state.momentum[i], bucket)
 
     def state_dict(self):
-        return {"compressors": self.compressed.state_dict()}
+        return {"compressor": self.state.compressed.state_dict()}
 
     def load_state_dict(self, state):
-        self.compressed.load_state_dict(state["compressors"])
+        self.state.compressed.load_state_dict(state["compressor"])
+
+    def before_rebucket(self, ctx):
+        state = self.state_dict()
+        self.state.compressed.share(state["compressor"])
+        return state
 
     def load_foreign_state_dict(self, state, *, world_size, rank):
         # Moments and step_id are ordinary optimizer state (restored by torch); only the
@@ -175,5 +191,4 @@ class QAdamImpl(AlgorithmImpl):
         return reset_residuals_note(state)
 
     def shutdown(self):
-        self.compressed.close()
-        self.runner.close()
+        self.state.compressed.close()

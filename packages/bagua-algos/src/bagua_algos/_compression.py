@@ -1,0 +1,148 @@
+"""The compressor an algorithm communicates through (``compressor=`` of ByteGrad,
+LowPrecisionDecentralized and QAdam), and its error-feedback state keyed by parameter.
+
+One compressor serves every bucket; each bucket's calls use the bucket's name as the
+compressor's ``key``.  ``bagua_comm.compressed_allreduce`` keeps a compressor's residuals under
+``<key>/scatter`` (this rank's whole input) and ``<key>/gather`` (the segment this rank
+reduces); compressors that keep residuals as ``state_dict()["residuals"][key]`` (as
+``MinMaxUInt8`` does) have them carried across re-bucketing and checkpoints at another bucket
+size, parameter by parameter.  Other compressor state is kept as is when the layout is
+unchanged and reset (with a warning) when it changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+import bagua_comm as bc
+
+from ._state import export_flat, import_flat
+
+log = logging.getLogger(__name__)
+
+
+def check_compressor(compressor) -> None:
+    """``None`` (MinMaxUInt8) or a ``bagua_comm.compression.Compressor``."""
+    from bagua_comm.compression import Compressor
+
+    if compressor is not None and not isinstance(compressor, Compressor):
+        raise ValueError(f"compressor must be None (MinMaxUInt8) or a "
+                         f"bagua_comm.compression.Compressor instance, got "
+                         f"{type(compressor).__name__}; subclass Compressor to write your own")
+
+
+def make_compressor(compressor, chunks: int, error_feedback: bool = False):
+    """The compressor to use: ``compressor``, or ``MinMaxUInt8(chunks)`` when None."""
+    if compressor is None:
+        from bagua_comm.compression import MinMaxUInt8
+
+        return MinMaxUInt8(chunks, error_feedback=error_feedback)
+    return compressor
+
+
+def alignment(compressor, peers: int) -> int:
+    """Elements a bucket is padded to so that ``compressed_allreduce`` needs no padding copy:
+    a multiple of the compressor's ``chunks`` (and of the peer count)."""
+    chunks = getattr(compressor, "chunks", None)
+    if not isinstance(chunks, int) or chunks < 1:
+        chunks = 1
+    return chunks * peers // math.gcd(chunks, peers)
+
+
+def check_chunks(compressor, peers: int, what: str) -> None:
+    chunks = getattr(compressor, "chunks", None)
+    if isinstance(chunks, int) and chunks % peers:
+        raise ValueError(f"{what}: compressor.chunks ({chunks}) must be a multiple of the number "
+                         f"of ranks exchanging compressed data ({peers}); pass compressor=None "
+                         "or a compressor built with chunks a multiple of it")
+
+
+class CompressorState:
+    """A compressor's error-feedback residuals, exported keyed by parameter name.
+
+    ``peers`` is the group ``compressed_allreduce`` runs in (for the gather segment's
+    position); ``rank`` is this rank's place in it (-1: not a member, no residuals).
+    """
+
+    def __init__(self, compressor, peers: bc.ProcessGroup):
+        self.compressor = compressor
+        self.peers = peers
+
+    def _residuals(self):
+        state = self.compressor.state_dict()
+        res = state.get("residuals") if isinstance(state, dict) else None
+        if isinstance(res, dict) and all(isinstance(v, torch.Tensor) for v in res.values()):
+            return state, res
+        return state, None
+
+    def _padded(self, bucket) -> int:
+        """Elements ``compressed_allreduce`` compresses for ``bucket`` (its scatter residual)."""
+        chunks = getattr(self.compressor, "chunks", None)
+        chunks = chunks if isinstance(chunks, int) and chunks >= 1 else self.peers.size
+        return -(-bucket.padded_numel // chunks) * chunks
+
+    def _starts(self, buckets) -> list[int]:
+        """Where this rank's gather segment starts in each bucket."""
+        r = max(self.peers.rank, 0)
+        return [self._padded(b) // self.peers.size * r for b in buckets]
+
+    def export(self, buckets) -> dict:
+        state, res = self._residuals()
+        if res is None:
+            return {"compressor": state}
+        rest = {k: v for k, v in state.items() if k != "residuals"}
+        return {"compressor": rest,
+                "scatter": export_flat(buckets, [res.get(f"{b.name}/scatter") for b in buckets]),
+                "gather": export_flat(buckets, [res.get(f"{b.name}/gather") for b in buckets],
+                                      start=self._starts(buckets))}
+
+    def share_gather(self, buckets, state: dict) -> None:
+        """Collective among the peers (re-bucketing): every member gets every member's gather
+        residuals (each element's is held by exactly one of them), so whoever reduces an
+        element in the new layout holds its residual."""
+        if (not state.get("scatter") and not state.get("gather")) or not self.peers.is_member() \
+                or self.peers.size == 1:   # no residuals: the same on every peer
+            return
+        parts = [(b.names, b.params) for b in buckets]
+        flat = []
+        for names, params in parts:
+            for name, p in zip(names, params):
+                t = state["gather"].get(name)
+                flat.append(t.reshape(-1).float() if t is not None
+                            else torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
+        if not flat:
+            return
+        buf = torch.cat(flat)
+        bc.allreduce_inplace(buf, bc.ReduceOp.SUM, group=self.peers)
+        gathered, off = {}, 0
+        for names, params in parts:
+            for name, p in zip(names, params):
+                piece = buf[off:off + p.numel()]
+                off += p.numel()
+                if piece.any():
+                    gathered[name] = piece
+        state["gather"] = gathered
+
+    def load(self, buckets, state: dict, *, same_layout: bool) -> None:
+        if "scatter" not in state:          # opaque compressor state
+            saved = state.get("compressor") or {}
+            if same_layout or not saved:
+                self.compressor.load_state_dict(saved)
+            else:
+                log.warning("bagua: %s's state cannot follow a new bucket layout; it starts "
+                            "afresh", type(self.compressor).__name__)
+            return
+        res = {}
+        starts = self._starts(buckets)
+        for i, b in enumerate(buckets):
+            padded = self._padded(b)
+            for tag, size, lo in (("scatter", padded, 0),
+                                  ("gather", padded // self.peers.size, starts[i])):
+                buf = torch.zeros(size, dtype=torch.float32, device=b.device)
+                if state[tag] and import_flat([b], [buf], state[tag],
+                                              "error-feedback residuals", start=[lo]):
+                    res[f"{b.name}/{tag}"] = buf
+        self.compressor.load_state_dict({**state.get("compressor", {}), "residuals": res})
