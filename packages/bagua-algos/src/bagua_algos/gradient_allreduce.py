@@ -60,5 +60,14 @@ class GradientAllReduceImpl(AlgorithmImpl):
     def bucket_ready_hook(self, module, bucket):
         return self.allreduce(bucket.grad, async_op=True)
 
+    def autotune_knobs(self):
+        """Knobs the autotuner may switch between steps: ``hierarchical`` averages either
+        way (same maths) and can pay where several ranks share a node."""
+        g = self.group
+        if g.num_nodes > 1 and g.size > g.num_nodes:
+            prepare_hierarchy(g)      # collective: every rank builds its tuner together
+            return {"hierarchical": ([False, True], False)}
+        return {}
+
     def shutdown(self):
         self.runner.close()

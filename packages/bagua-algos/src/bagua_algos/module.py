@@ -11,6 +11,7 @@ from torch.autograd import Variable
 
 import bagua_comm as bc
 
+from . import _autotune
 from ._bucket import BaguaBucket
 from .algorithm import Algorithm, AlgorithmImpl
 
@@ -20,7 +21,7 @@ _STATE_KEY = "bagua_algos"
 
 def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | None = None, *,
                group: bc.ProcessGroup | None = None, do_flatten: bool = True,
-               bucket_size: int | None = None) -> BaguaModule:
+               bucket_size: int | None = None, autotune: bool | dict = False) -> BaguaModule:
     """Wrap ``model`` for data-parallel training with ``algorithm``.
 
     Every rank ends up with rank 0's parameters, buffers and optimizer state.  Gradients (or
@@ -29,7 +30,14 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
     buffers.  Each bucket's communication starts as soon as its last gradient is accumulated
     and is waited for at the end of backward.  Calling ``with_bagua`` again on the returned
     module switches it to another algorithm.
+
+    ``autotune=True`` (or ``BAGUA_AUTOTUNE=1``) tunes the bucket size (and other knobs that
+    leave the algorithm's maths unchanged) during the first steps of training, starting from
+    ``bucket_size``; see :meth:`BaguaModule.autotune_report`.
     """
+    bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
+    _autotune.check_bucket_size(bucket_size)
+    autotune = _autotune.resolve_options(autotune)     # validated before any communication
     if isinstance(model, BaguaModule):
         model.detach_algorithm()
         model = model.module
@@ -45,9 +53,6 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
     if not isinstance(algorithm, Algorithm):
         raise ValueError("algorithm must be a bagua_algos.Algorithm (e.g. GradientAllReduce() or "
                          f"Algorithm.init('gradient_allreduce')), got {type(algorithm).__name__}")
-    bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
-    if not isinstance(bucket_size, int) or bucket_size <= 0:
-        raise ValueError(f"bucket_size must be a positive number of bytes, got {bucket_size!r}")
     if not bc.is_initialized():
         raise RuntimeError("bagua_comm is not initialised: call bagua_comm.init_process_group() "
                            "before with_bagua()")
@@ -55,7 +60,8 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
     if not isinstance(group, bc.ProcessGroup) or not group.is_member():
         raise ValueError(f"group must be a bagua_comm.ProcessGroup containing this rank, "
                          f"got {group!r}")
-    return BaguaModule(model, optimizers, algorithm, group, do_flatten, bucket_size)
+    return BaguaModule(model, optimizers, algorithm, group, do_flatten, bucket_size,
+                       autotune=autotune)
 
 
 def _broadcast_tensors(tensors: Iterable[torch.Tensor], group: bc.ProcessGroup) -> None:
@@ -77,7 +83,8 @@ def _broadcast_tensors(tensors: Iterable[torch.Tensor], group: bc.ProcessGroup) 
 class BaguaModule(torch.nn.Module):
     """A model wrapped by :func:`with_bagua`. ``forward`` passes through to ``.module``."""
 
-    def __init__(self, module, optimizers, algorithm, group, do_flatten, bucket_size):
+    def __init__(self, module, optimizers, algorithm, group, do_flatten, bucket_size, *,
+                 autotune: dict | None = None):
         super().__init__()
         self.module = module
         self.algorithm = algorithm
@@ -112,6 +119,8 @@ class BaguaModule(torch.nn.Module):
         self._next = 0
         self.impl.init_operations(self, self.buckets)
         self._register_hooks()
+        # autotuning (bagua_algos._autotune): collective, after the buckets exist
+        self._autotuner = _autotune.Autotuner(self, autotune) if autotune else None
 
     # -- hooks --------------------------------------------------------------------------------
     def _register_hooks(self) -> None:
@@ -129,6 +138,8 @@ class BaguaModule(torch.nn.Module):
     def _forward_pre(self, _module, _inputs) -> None:
         if self.training and torch.is_grad_enabled() and self._sync:
             self.step += 1
+            if self._autotuner is not None:
+                self._autotuner.on_step(self)     # may switch configuration, on every rank
             self.impl.forward_pre_hook(self)
 
     def _grad_ready(self, param) -> None:
@@ -242,6 +253,13 @@ class BaguaModule(torch.nn.Module):
             yield
         finally:
             self._sync = old
+
+    def autotune_report(self) -> dict | None:
+        """``None`` unless autotuning; else ``{"done", "steps", "best", "trials", ...}``:
+        whether the tuner has settled, the training steps it took, the configuration it
+        chose (``{"bucket_size": bytes, ...}``) and every trial's configuration and score
+        (seconds per step, the slowest rank's)."""
+        return None if self._autotuner is None else self._autotuner.report()
 
     def abort(self) -> None:
         """Stop background communication (AsyncModelAverage); returns once it has stopped."""
