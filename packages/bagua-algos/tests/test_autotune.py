@@ -141,7 +141,8 @@ def _train(steps, autotune, bucket_size=None, seed=0):
         x = torch.randn(BATCH, 8, generator=g)
         opt.zero_grad()
         loss = model(x).square().mean()   # the config of this step is fixed by now
-        seen.append((model.bucket_size, tuple(len(b.params) for b in model.buckets)))
+        seen.append((model.bucket_size, tuple(len(b.params) for b in model.buckets),
+                     model.impl.hierarchical))
         loss.backward()
         opt.step()
     return {"seen": seen, "report": model.autotune_report(),
@@ -180,7 +181,7 @@ def test_autotune_settles_within_budget_with_ranks_in_lockstep(two_ranks):
     assert rep["steps"] <= BUDGET["max_steps"]
     assert len(rep["trials"]) >= 3
     assert all(t["score"] > 0 for t in rep["trials"])
-    sizes = {s for s, _ in a["seen"]}
+    sizes = {s for s, _, _ in a["seen"]}
     assert len(sizes) >= 3                        # it really tried several bucket sizes
     assert a["seen"][-1][0] == rep["best"]["bucket_size"]
     # after settling, it stays fixed
@@ -212,7 +213,7 @@ def test_second_run_starts_from_the_cache(two_ranks):
     assert again["cached"] and again["done"] and again["steps"] == 0
     assert again["best"] == tuned["best"]
     for r in results:   # the tuned bucket size from the very first step, on every rank
-        assert {s for s, _ in r["again"]["seen"]} == {tuned["best"]["bucket_size"]}
+        assert {s for s, _, _ in r["again"]["seen"]} == {tuned["best"]["bucket_size"]}
     assert len(list((tmp / "cache" / "autotune").glob("*.json"))) == 1
 
 
@@ -232,3 +233,19 @@ def test_another_world_size_tunes_afresh(two_ranks):
     _, tmp, _ = two_ranks
     (report,) = run_ranks(_one_rank, 1, args=(str(tmp / "cache"),), timeout=120)
     assert not report["cached"] and not report["done"]
+
+
+def _two_nodes():
+    return _train(BUDGET["max_steps"] + 2, {**BUDGET, "cache": False}, bucket_size=2 ** 20)
+
+
+def test_hierarchical_is_tuned_where_nodes_hold_several_ranks():
+    results = run_ranks(_two_nodes, 4, local_world_size=2, timeout=240)
+    first = results[0]
+    assert all(r["seen"] == first["seen"] for r in results)
+    rep = first["report"]
+    assert rep["knobs"] == {"hierarchical": [False, True]}
+    assert {t["config"]["hierarchical"] for t in rep["trials"]} == {False, True}
+    assert {h for _, _, h in first["seen"]} >= {False, True}   # it really switched
+    for r in results:
+        assert all(torch.equal(x, y) for x, y in zip(r["params"], first["params"]))
