@@ -3,11 +3,11 @@
 One process per emulated host.  Every configuration (the default bucket size, each size of
 the grid, and ``autotune=True`` starting from the default) gets its own copy of the same
 model (same seed) wrapped by ``with_bagua``.  The autotuned copy trains first until its tuner
-has settled (the steps it needed are recorded); then the configurations are timed in rounds,
-``--steps`` steps each after ``--warmup`` steps, in an order that rotates every round (so
-slow phases of a loaded machine do not always hit the same configuration).  A configuration's
-figure is its median over rounds of the slowest rank's seconds per step.  Rank 0 writes
-``--out`` (JSON).
+has settled (the steps it needed are recorded); then, after ``--warmup`` steps each, the
+configurations are timed ``--steps`` steps each, interleaved: one step of every configuration
+per round, in an order that rotates every round (so slow phases of a loaded machine spread
+evenly over the configurations).  A configuration's figure is the median over its steps of
+the slowest rank's step time.  Rank 0 writes ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--algorithm", default="gradient_allreduce")
     ap.add_argument("--size", default="small")
     ap.add_argument("--grid", required=True, help="comma list of bucket sizes in bytes")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-tune-steps", type=int, default=400)
     ap.add_argument("--out", required=True)
@@ -87,35 +86,40 @@ def main(argv=None) -> int:
         print(f"autotune: done={report['done']} after {report['steps']} steps "
               f"({tune_s:.1f}s): {report['best']}", flush=True)
 
-    # 2. timed rounds
+    # 2. timed steps, interleaved: one step of every configuration per round, the order
+    # rotating, so a loaded machine's slow phases spread evenly over the configurations
     labels = list(runs)
-    per_round: dict[str, list[float]] = {k: [] for k in labels}
-    for r in range(args.rounds):
+    for label in labels:
+        for _ in range(args.warmup):
+            step(runs[label])
+    mine: dict[str, list[float]] = {k: [] for k in labels}
+    for r in range(args.steps):
         order = labels[r % len(labels):] + labels[:r % len(labels)]
         for label in order:
-            run = runs[label]
-            for _ in range(args.warmup):
-                step(run)
             dist.barrier(group=harness)
             t = time.perf_counter()
-            for _ in range(args.steps):
-                step(run)
-            per_round[label].append(slowest((time.perf_counter() - t) / args.steps))
-        if rank == 0:
-            print(f"round {r + 1}/{args.rounds}: " + ", ".join(
-                f"{k} {1e3 * per_round[k][-1]:.0f}ms" for k in labels), flush=True)
+            step(runs[label])
+            mine[label].append(time.perf_counter() - t)
+        if rank == 0 and (r + 1) % 10 == 0:
+            print(f"timed round {r + 1}/{args.steps}", flush=True)
+    per_step = {}
+    for label in labels:          # a step lasts as long as its slowest rank
+        t = torch.tensor(mine[label], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=harness)
+        per_step[label] = t.tolist()
     if rank == 0:
         out = {
             "model": {"size": args.size, "params": num_params(make_model(args.size)),
                       "bytes": 4 * num_params(make_model(args.size))},
             "algorithm": args.algorithm, "world_size": world,
-            "batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds,
+            "batch_size": args.batch_size, "steps": args.steps,
             "default_bucket_size": DEFAULT_BUCKET_SIZE,
             "configs": [{"label": k, "bucket_size": runs[k]["bucket_size"],
-                         "step_s_rounds": per_round[k],
-                         "step_s": statistics.median(per_round[k]),
+                         "step_s_all": per_step[k],
+                         "step_s": statistics.median(per_step[k]),
+                         "step_s_mean": statistics.fmean(per_step[k]),
                          "samples_per_s": world * args.batch_size
-                         / statistics.median(per_round[k])} for k in labels],
+                         / statistics.median(per_step[k])} for k in labels],
             "autotune": {"report": report, "tune_s": tune_s, "steps": report["steps"],
                          "done": report["done"]},
         }

@@ -1,14 +1,15 @@
 """Autotuned bucket size against the default and a grid of fixed sizes, on emulated links.
 
     python benchmarks/autotune.py                          # 100 Mbit/s and unshaped
-    python benchmarks/autotune.py --bandwidths none --rounds 2 --json out/autotune/quick.json
+    python benchmarks/autotune.py --bandwidths none --steps 15 --json out/autotune/quick.json
 
 For each link bandwidth the testbed (benchmarks/testbed) emulates ``--hosts`` machines (network
 namespaces behind ``tc``-shaped links) and one ``torchrun --nnodes N`` job trains the same
 transformer (benchmarks/_e2e_model.py) with ``with_bagua(..., GradientAllReduce())`` at: the
 default bucket size (10 MiB), each size of a grid (powers of 4 from 16 KiB to the whole
-model), and ``autotune=True`` (starting from the default; cache off, so it really tunes).  It
-prints throughput of each, the steps autotune needed to settle, and the ratios
+model), and ``autotune=True`` (starting from the default; cache off, so it really tunes),
+timed interleaved step by step after autotune has settled.  It prints throughput of each
+(from the median step time), the steps autotune needed to settle, and the ratios
 autotuned / best of the grid and autotuned / default; it plots the grid with where autotune
 landed.  Targets: autotuned >= 0.95x the best fixed size and >= 1.0x the default on every
 link, settled within 200 steps.
@@ -51,9 +52,9 @@ def parse_args(argv=None):
     ap.add_argument("--algorithm", default="gradient_allreduce")
     ap.add_argument("--grid", help="comma list of bucket sizes (bytes); default powers of 4 "
                     "from 16 KiB to the model's size")
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=30,
+                    help="timed steps per configuration (interleaved)")
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--no-testbed", action="store_true", help="plain loopback processes")
     ap.add_argument("--json", type=Path, default=Path("out/autotune/autotune.json"))
@@ -78,7 +79,7 @@ def run_job(bw, args, tb, attempt: int) -> dict:
     out.unlink(missing_ok=True)
     worker = [WORKER, "--algorithm", args.algorithm, "--size", args.size,
               "--grid", ",".join(map(str, args.grid)), "--steps", args.steps,
-              "--rounds", args.rounds, "--warmup", args.warmup,
+              "--warmup", args.warmup,
               "--batch-size", args.batch_size, "--out", out]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                BAGUA_AUTOTUNE_LOG=str(outdir / "trials.jsonl"))
@@ -144,11 +145,12 @@ def _mib(n: int) -> str:
 def print_result(result: dict, s: dict) -> None:
     print(f"\n== {bw_label(s['bandwidth_mbit'])}: {result['model']['params'] / 1e6:.2f}M "
           f"parameters, {result['world_size']} ranks, {result['algorithm']}")
-    print(f"{'configuration':<22}{'bucket':>12}{'samples/s':>12}{'ms/step':>10}  rounds (ms)")
+    print(f"{'configuration':<22}{'bucket':>12}{'samples/s':>12}{'median ms':>11}"
+          f"{'mean ms':>10}{'min ms':>9}")
     for c in result["configs"]:
-        rounds = " ".join(f"{1e3 * t:.0f}" for t in c["step_s_rounds"])
         print(f"{c['label']:<22}{_mib(c['bucket_size']):>12}{c['samples_per_s']:>12.1f}"
-              f"{1e3 * c['step_s']:>10.0f}  {rounds}")
+              f"{1e3 * c['step_s']:>11.0f}{1e3 * c['step_s_mean']:>10.0f}"
+              f"{1e3 * min(c['step_s_all']):>9.0f}")
     print(f"autotune settled after {s['autotune_steps']} steps ({s['autotune_trials']} trials, "
           f"{s['autotune_tune_s']:.0f}s) on {_mib(s['autotune_bucket_size'])}; best of the "
           f"grid: {s['best_label']}")

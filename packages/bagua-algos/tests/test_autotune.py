@@ -43,12 +43,12 @@ def _bowl(opt: int, noise: float = 0.0, seed: int = 0):
 @pytest.mark.parametrize("noise", [0.0, 0.01])
 def test_search_lands_near_the_optimum_within_budget(opt, noise):
     cost = _bowl(opt, noise, seed=opt)
-    s = _run_search(cost)
+    s = _run_search(cost, max_trials=20)
     best_possible = min(_bowl(opt)({"bucket_size": x}) for x in SIZES)
     assert _bowl(opt)(s.best) <= 1.05 * best_possible
-    assert len(s.trials) <= 28
+    assert len(s.trials) <= 20
     # (warmup + measured) steps per trial at the defaults: within 200 steps
-    assert len(s.trials) * 7 <= 200
+    assert len(s.trials) * 10 <= 200
 
 
 def test_search_is_deterministic_and_respects_max_trials():
@@ -63,6 +63,32 @@ def test_search_is_deterministic_and_respects_max_trials():
 def test_search_keeps_the_start_on_a_flat_cost():
     s = _run_search(lambda c: 1.0 + 1e-4 * (c["bucket_size"] % 7))
     assert s.best == {"bucket_size": 2 ** 23}
+
+
+@pytest.mark.parametrize("wobble, moves", [(0.0, True), (0.04, False)])
+def test_search_moves_off_the_start_only_by_more_than_the_noise(wobble, moves):
+    seen: dict = {}
+
+    def cost(c):   # 2**12 is 3% faster; re-measuring a config moves it by 2 * wobble
+        n = seen[c["bucket_size"]] = seen.get(c["bucket_size"], 0) + 1
+        return (0.97 if c["bucket_size"] == 2 ** 12 else 1.0) * (1 + wobble * (-1) ** n)
+
+    s = _run_search(cost)
+    assert s.best == ({"bucket_size": 2 ** 12} if moves else {"bucket_size": 2 ** 23})
+
+
+@pytest.mark.parametrize("gain, moves", [(1.0, False), (0.9, True)])
+def test_search_final_is_immune_to_a_drifting_machine(gain, moves):
+    calls = []
+
+    def cost(c):   # the machine slows down 2% per trial; 2**16 is `gain` times the rest
+        calls.append(c)
+        return (gain if c["bucket_size"] == 2 ** 16 else 1.0) * (1 + 0.02 * len(calls))
+
+    s = _run_search(cost, max_trials=20)
+    assert s.best == ({"bucket_size": 2 ** 16} if moves else {"bucket_size": 2 ** 23})
+    final = [t["config"]["bucket_size"] for t in s.trials[-6:]]
+    assert final == final[::-1] and 2 ** 23 in final        # A B C C B A, the start in it
 
 
 def test_search_picks_the_better_categorical_value():
@@ -84,7 +110,7 @@ def test_search_picks_the_better_categorical_value():
     ({"autotune": 1}, "autotune must be True, False or a dict"),
     ({"autotune": {"max_step": 10}}, "unknown options"),
     ({"autotune": {"max_steps": 0}}, "max_steps must be an integer >= 1"),
-    ({"autotune": {"max_steps": 3, "trial_steps": 5}}, "must hold one trial"),
+    ({"autotune": {"max_steps": 3, "trial_steps": 5}}, "must hold the first trial"),
     ({"autotune": {"knobs": ["compression"]}}, "unknown knobs"),
     ({"bucket_size": 0}, "bucket_size must be a positive integer"),
     ({"bucket_size": -5}, "bucket_size must be a positive integer"),

@@ -43,12 +43,13 @@ CACHE_ENV = "BAGUA_CACHE_DIR"
 OPTIONS = {
     "max_steps": (200, "BAGUA_AUTOTUNE_MAX_STEPS"),
     "warmup_steps": (2, "BAGUA_AUTOTUNE_WARMUP_STEPS"),
-    "trial_steps": (5, "BAGUA_AUTOTUNE_TRIAL_STEPS"),
+    "trial_steps": (8, "BAGUA_AUTOTUNE_TRIAL_STEPS"),
     "cache": (True, "BAGUA_AUTOTUNE_CACHE"),
     "knobs": (None, None),
 }
 KNOWN_KNOBS = ("bucket_size", "hierarchical")
 MIN_BUCKET, MAX_BUCKET = 4 * 1024, 1 << 30
+FIRST_EXTRA_WARMUP = 3   # the first steps of a run are slow (allocations, lazy state)
 CACHE_VERSION = 1
 
 
@@ -108,10 +109,11 @@ def resolve_options(autotune) -> dict | None:
         low = 0 if name == "warmup_steps" else 1
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"autotune option {name} must be an integer >= {low}, got {v!r}")
-    if opts["max_steps"] < opts["warmup_steps"] + opts["trial_steps"]:
+    first = opts["warmup_steps"] + opts["trial_steps"] + FIRST_EXTRA_WARMUP
+    if opts["max_steps"] < first:
         raise ValueError(f"autotune option max_steps ({opts['max_steps']}) must be at least "
-                         f"warmup_steps + trial_steps ({opts['warmup_steps']} + "
-                         f"{opts['trial_steps']}): the budget must hold one trial")
+                         f"warmup_steps + trial_steps + {FIRST_EXTRA_WARMUP} ({first}): the "
+                         f"budget must hold the first trial")
     if not isinstance(opts["cache"], bool):
         raise ValueError(f"autotune option cache must be True or False, got {opts['cache']!r}")
     knobs = opts["knobs"]
@@ -192,6 +194,12 @@ def _apply(module: BaguaModule, config: dict) -> None:
             rebucket(config["bucket_size"])
 
 
+def _can_rebucket(module: BaguaModule) -> bool:
+    from .gradient_allreduce import GradientAllReduceImpl
+
+    return hasattr(module, "rebucket") or type(module.impl) is GradientAllReduceImpl
+
+
 def _rebucket_stateless(module: BaguaModule, bucket_size: int) -> None:
     from ._bucket import BaguaBucket
 
@@ -270,15 +278,16 @@ class Autotuner:
         self.world = module.group.size
         self.knobs = declared_knobs(module, options["knobs"])
         self.group = bc.new_group(module.group.ranks) if self.world > 1 else None
-        if options["knobs"] is not None and "bucket_size" not in options["knobs"]:
+        if (options["knobs"] is not None and "bucket_size" not in options["knobs"]) or not (
+                _can_rebucket(module)):
             self.sizes = [module.bucket_size]
         else:
             self.sizes = candidate_sizes(module, module.bucket_size)
         self.start = {"bucket_size": module.bucket_size,
                       **{k: getattr(module.impl, k) for k in self.knobs}}
         trial = options["warmup_steps"] + options["trial_steps"]
-        self.search = Search(self.sizes, self.start, self.knobs,
-                             max_trials=max(1, options["max_steps"] // trial))
+        self.search = Search(self.sizes, self.start, self.knobs, max_trials=max(
+            1, (options["max_steps"] - FIRST_EXTRA_WARMUP) // trial))
         self.key, self.key_material = cache_key(module, self.knobs)
         self.cache_path = cache_dir() / f"{self.key}.json"
         self.log_path = os.environ.get(LOG_ENV) or None
@@ -327,6 +336,8 @@ class Autotuner:
         self._last = now
         self.steps = step - 1
         w, m = self.opts["warmup_steps"], self.opts["trial_steps"]
+        if not self.trials:
+            w += FIRST_EXTRA_WARMUP
         if step - self._trial_start < w + m:
             return
         first = self._trial_start + w
@@ -405,8 +416,8 @@ class Autotuner:
 
 
 def _robust_mean(times: list[float]) -> float:
-    """Mean step time without the slowest fifth (a loaded machine's stray stalls)."""
+    """Mean of the faster half of the step times: a configuration's own cost, with the
+    stalls a shared, loaded machine adds to some steps left out."""
     times = sorted(times)
-    drop = len(times) // 5
-    kept = times[:len(times) - drop] if drop else times
+    kept = times[:max(1, (len(times) + 1) // 2)]
     return sum(kept) / len(kept)

@@ -15,9 +15,12 @@ Plan, for ``sizes`` sorted ascending and spaced evenly in log space:
 4. refinement: halve the gaps next to the best size measured so far until its neighbours
    are measured (a discrete golden-section / bisection step: bucket size is close to
    unimodal in log space);
-5. confirmation: re-measure the best few configurations (and the start) once more and pick
-   the lowest mean; the start wins ties within ``tie`` (relative) so noise never makes the
-   result slower than what the user had.
+5. a final: the best ``confirm - 1`` configurations and the start (or the best ``confirm``
+   if the start is among them) are measured again, in the order A B C C B A so that a slow
+   drift of the machine's load weighs on each of them equally; only these measurements
+   decide.  The lowest mean wins, but the start stays unless beaten by more than ``tie``
+   (relative) or by more than the run-to-run spread of the finalists, whichever is larger,
+   so noise does not move the result away from what the user had.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class Search:
         self.trials: list[dict] = []
         self._scores: dict[tuple, list[float]] = {}
         self._configs: dict[tuple, dict] = {}
+        self._final: dict[tuple, list[float]] | None = None    # the final's scores
         self._gen = self._plan()
         self._pending: dict | None = None
         self._done = False
@@ -87,6 +91,8 @@ class Search:
         self.trials.append({"config": dict(config), "score": score})
         k = _key(config)
         self._scores.setdefault(k, []).append(score)
+        if self._final is not None:
+            self._final.setdefault(k, []).append(score)
         self._configs[k] = dict(config)
         if len(self.trials) >= self.max_trials:
             self._finish()
@@ -100,14 +106,28 @@ class Search:
     @property
     def best(self) -> dict:
         """The chosen configuration: lowest mean score, the start winning near-ties."""
-        if not self._scores:
+        scores = self._final or self._scores
+        if not scores:
             return dict(self.start)
-        k = min(self._scores, key=lambda k: (sum(self._scores[k]) / len(self._scores[k]), k))
-        best = self._configs[k]
-        start = self.mean(self.start)
-        if start is not None and start <= self.mean(best) * (1 + self.tie):
+
+        def mean(k):
+            return sum(scores[k]) / len(scores[k])
+
+        k = min(scores, key=lambda k: (mean(k), k))
+        start = _key(self.start)
+        if start in scores and mean(start) <= mean(k) * (1 + self.margin()):
             return dict(self.start)
-        return dict(best)
+        return dict(self._configs[k])
+
+    def margin(self) -> float:
+        """How much faster than the start a configuration must be to replace it: ``tie``, or
+        the run-to-run spread seen so far if larger (the median over re-measured
+        configurations of (max - min) / mean), so that noise never moves the choice away
+        from what the user had."""
+        spreads = sorted((max(v) - min(v)) / (sum(v) / len(v))
+                         for v in (self._final or self._scores).values() if len(v) > 1)
+        noise = spreads[len(spreads) // 2] if spreads else 0.0
+        return max(self.tie, noise)
 
     # -- internals ------------------------------------------------------------------------------
     def _advance(self, score) -> None:
@@ -167,10 +187,13 @@ class Search:
             if not gaps:
                 break
             yield at(max(gaps)[1])
-        # 5. confirm the best few (and the start) with a second measurement each
+        # 5. the final: the best few and the start, measured again in the order A B C C B A
         ranked = sorted(self._scores, key=lambda k: sum(self._scores[k]) / len(self._scores[k]))
         top = [self._configs[k] for k in ranked[:self.confirm]]
         if all(_key(c) != _key(self.start) for c in top):
-            top.append(self.start)
-        for c in top:  # noqa: UP028 (the plan receives each score through send())
+            top = [*top[:max(1, self.confirm - 1)], self.start]
+        if len(top) < 2:
+            return
+        self._final = {}
+        for c in top + top[::-1]:  # noqa: UP028 (the plan receives each score through send())
             yield c
