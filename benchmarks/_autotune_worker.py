@@ -115,6 +115,7 @@ def main(argv=None) -> int:
             "batch_size": args.batch_size, "steps": args.steps,
             "default_bucket_size": DEFAULT_BUCKET_SIZE,
             "configs": [{"label": k, "bucket_size": runs[k]["bucket_size"],
+                         "layout": [len(b.params) for b in runs[k]["model"].buckets],
                          "step_s_all": per_step[k],
                          "step_s": statistics.median(per_step[k]),
                          "step_s_mean": statistics.fmean(per_step[k]),

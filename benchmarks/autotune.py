@@ -122,7 +122,17 @@ def summarise(result: dict) -> dict:
     fixed = [c for c in result["configs"] if c["label"] != "autotune"]
     best = max(fixed, key=lambda c: c["samples_per_s"])
     tuned, default = cfg["autotune"], cfg["default"]
+    # Configurations with the same bucket layout are the same configuration: how far apart
+    # their figures are is this run's noise floor.
+    same: dict = {}
+    for c in result["configs"]:
+        same.setdefault(tuple(c["layout"]), []).append(c)
+    twins = [g for g in same.values() if len(g) > 1]
+    noise = max((max(c["samples_per_s"] for c in g) / min(c["samples_per_s"] for c in g) - 1
+                 for g in twins), default=None)
     return {
+        "noise_floor": noise,
+        "same_layout": [[c["label"] for c in g] for g in twins],
         "bandwidth_mbit": result["bandwidth_mbit"],
         "autotune_samples_per_s": tuned["samples_per_s"],
         "autotune_bucket_size": tuned["bucket_size"],
@@ -156,6 +166,9 @@ def print_result(result: dict, s: dict) -> None:
           f"grid: {s['best_label']}")
     print(f"autotuned / best fixed = {s['vs_best']:.3f}   autotuned / default = "
           f"{s['vs_default']:.3f}")
+    if s["noise_floor"] is not None:
+        print(f"noise floor: {100 * s['noise_floor']:.1f}% between configurations with the "
+              f"same bucket layout ({'; '.join(' = '.join(g) for g in s['same_layout'])})")
 
 
 def targets(summaries: list[dict]) -> list[dict]:
