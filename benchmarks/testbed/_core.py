@@ -243,19 +243,38 @@ class Testbed:
 
     def torchrun_argv(self, i: int, script_argv, *, nproc_per_node: int = 1,
                       port: int = 29400, rdzv_id: str = "bagua", python: str | None = None,
-                      extra=()) -> list[str]:
+                      extra=(), nnodes: str | None = None, rdzv_conf: str = "") -> list[str]:
         """torchrun command line for host ``i`` of a job spanning every host.
 
         c10d rendezvous at host 0; ``is_host`` and ``--local-addr`` are explicit because the
         namespaces share the machine's hostname, which resolves to none of their addresses.
+        ``nnodes`` overrides ``--nnodes`` (e.g. ``"2:3"`` for an elastic job); ``rdzv_conf``
+        adds ``key=value`` pairs to ``--rdzv-conf`` (e.g. ``"last_call_timeout=2"``).
         """
         if not 0 <= i < self.n_hosts:
             raise ValueError(f"host index must be in [0, {self.n_hosts}), got {i!r}")
+        conf = ",".join(filter(None, [f"is_host={int(i == 0)}", rdzv_conf]))
         return [python or sys.executable, "-m", "torch.distributed.run",
-                "--nnodes", str(self.n_hosts), "--nproc-per-node", str(nproc_per_node),
+                "--nnodes", nnodes or str(self.n_hosts), "--nproc-per-node", str(nproc_per_node),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.hosts[0].addr}:{port}",
-                "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host={int(i == 0)}",
+                "--rdzv-id", rdzv_id, "--rdzv-conf", conf,
                 "--local-addr", self.hosts[i].addr, *extra, *map(str, script_argv)]
+
+    def set_link(self, i: int, up: bool) -> None:
+        """Bring host ``i``'s interface up or down: down, its peers see silence (no FIN, no
+        RST), as when a machine loses power or its network."""
+        self._argv(i, ["true"])  # validates i, requires up
+        self._sandbox.run(["ip", "-n", self.hosts[i].netns, "link", "set", self.hosts[i].ifname,
+                           "up" if up else "down"])
+
+    def kill_host(self, i: int) -> int:
+        """SIGKILL every process running in host ``i`` (a lost machine); returns how many."""
+        self._argv(i, ["true"])
+        out = self._sandbox.run(["ip", "netns", "pids", self.hosts[i].netns], check=False).stdout
+        pids = [int(p) for p in out.split()]
+        if pids:
+            self._sandbox.run(["kill", "-9", *map(str, pids)], check=False)
+        return len(pids)
 
     def reshape(self, bandwidth_mbit: float | None = None,
                 per_flow_mbit: float | None = None) -> None:

@@ -35,10 +35,15 @@ def compress(x32, dtype, chunks):
     out = bytearray()
     for c in range(chunks):
         seg = x32[c * m:(c + 1) * m]
-        mn, mx = seg.min() + F(0), seg.max() + F(0)  # + 0 turns -0 into +0
-        scale, upper, lower = params(mn, mx)
-        q = np.minimum(np.rint(seg * scale), upper) - lower
-        codes = np.clip(q, 0, 255).astype(np.uint8).tobytes()
+        if not np.isfinite(seg).all():  # NaN or inf: a NaN header, codes 0
+            nan = np.array([0x7FC00000], dtype=np.uint32).view(np.float32)[0]
+            mn = mx = nan
+            codes = bytes(m)
+        else:
+            mn, mx = seg.min() + F(0), seg.max() + F(0)  # + 0 turns -0 into +0
+            scale, upper, lower = params(mn, mx)
+            q = np.minimum(np.rint(seg * scale), upper) - lower
+            codes = np.clip(q, 0, 255).astype(np.uint8).tobytes()
         rec = _header(mn, mx, dtype) + codes
         out += rec + bytes(record_len(m) - len(rec))
     return np.frombuffer(bytes(out), dtype=np.uint8)
@@ -55,6 +60,7 @@ def decompress(payload, dtype, numel, chunks):
             mn, mx = (r[:4].view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         else:
             mn, mx = r[:2 * np.dtype(dtype).itemsize].view(dtype).astype(np.float32)
-        scale, _, lower = params(mn, mx)
+        with np.errstate(invalid="ignore"):
+            scale, _, lower = params(mn, mx)
         out[c * m:(c + 1) * m] = (r[32:32 + m].astype(np.float32) + lower) / scale
     return out

@@ -44,16 +44,39 @@ def _cases():
         (lambda: bc.alltoall_v(f, [2, 3], [0, 2], f, [1, 1], [0, 1]), "reach outside send"),
         (lambda: bc.allreduce_inplace(f, group="world"), "group must be a bagua_comm.ProcessGroup"),
         (lambda: bc.allreduce_inplace(f, group=_OTHERS[0]), "not a member of group"),
+        # every rank, not only the root, checks the buffers it was given (issue 13.2)
+        (lambda: bc.gather(f, torch.ones(5), dst=0), "2 x send.numel()"),
+        (lambda: bc.gather(f, torch.ones(8, dtype=torch.float64), dst=1), "same dtype"),
+        (lambda: bc.scatter(torch.ones(5), f, src=0), "send.numel() / 2"),
+        (lambda: bc.scatter(torch.ones(8, dtype=torch.int32), f, src=1), "same dtype"),
+        # dtypes no backend carries, counts that are not ints, a self-count mismatch (13.9)
+        (lambda: bc.allreduce_inplace(torch.ones(4, dtype=torch.int16)),
+         "tensor has dtype torch.int16: bagua_comm carries float32"),
+        (lambda: bc.broadcast(torch.zeros(4, dtype=torch.float8_e4m3fn)),
+         "tensor has dtype torch.float8_e4m3fn: bagua_comm carries"),
+        (lambda: bc.allgather(torch.ones(2, dtype=torch.uint16), torch.ones(4, dtype=torch.uint16)),
+         "send has dtype torch.uint16"),
+        (lambda: bc.alltoall_v(f, [2.0, 2.0], [0, 2], f, [2, 2], [0, 2]),
+         "must be sequences of ints"),
+        (lambda: bc.alltoall_v(f, [1.5, 2], [0, 2], f, [2, 2], [0, 2]),
+         "must be sequences of ints"),
+        (lambda: bc.alltoall_v(f, [1, 1], [0, 1], f, [2, 2], [0, 2]), "must equal recv_counts"),
+        (lambda: bc.allreduce_inplace(f, group=_DESTROYED[0]), "was destroyed"),
     ]
 
 
 _OTHERS = []
+_DESTROYED = []
 
 
 def _bad_calls():
     # A group this rank is not in (collective creation: both ranks create both groups).
     groups = [bc.new_group([0]), bc.new_group([1])]
     _OTHERS[:] = [groups[1 - bc.get_rank()]]
+    both = bc.new_group([0, 1])
+    bc.allreduce_inplace(torch.ones(2), group=both)
+    both.destroy()
+    _DESTROYED[:] = [both]
     results = []
     for call, needle in _cases():
         try:

@@ -152,3 +152,50 @@ def test_three_ranks_exchange_every_peers_rows():
         expected = _simulate(inputs, np.float32, chunks, "avg")
         for r in range(3):
             assert np.array_equal(out[r][chunks], expected), (r, chunks)
+
+
+def _nonfinite(bad):
+    """One rank injects NaN or +-inf; returns compressed and plain allreduce results."""
+    r = bc.get_rank()
+    x = _x(r, 1000)
+    for rank, index, value in bad:
+        if rank == r:
+            x[index] = value
+    plain = x.clone()
+    bc.allreduce_inplace(plain, op=bc.ReduceOp.AVG)
+    out = {"plain": plain.numpy()}
+    y = torch.empty_like(x)
+    bc.compressed_allreduce(x, y, compressor=MinMaxUInt8(4))
+    out["compressed"] = y.numpy()
+    half = x.half()
+    yh = torch.empty_like(half)
+    bc.compressed_allreduce(half, yh, compressor=MinMaxUInt8(4))
+    out["f16"] = yh.float().numpy()
+    ef = MinMaxUInt8(4, error_feedback=True)
+    bc.compressed_allreduce(x, torch.empty_like(x), compressor=ef, key="b")
+    out["ef residuals finite"] = all(bool(v.isfinite().all())
+                                     for v in ef.state_dict()["residuals"].values())
+    return out
+
+
+@pytest.mark.parametrize("bad", [
+    [(0, 7, float("nan"))],
+    [(1, 500, float("inf"))],
+    [(0, 999, float("-inf")), (1, 3, float("inf"))],
+], ids=["nan on rank 0", "inf on rank 1", "-inf and inf"])
+def test_non_finite_input_stays_non_finite_on_every_rank(bad):
+    out = run_ranks(_nonfinite, WORLD, args=(bad,))
+    inputs = [_x(i, 1000).numpy() for i in range(WORLD)]
+    for rank, index, value in bad:
+        inputs[rank][index] = value
+    expected = _simulate(inputs, np.float32, 4, "avg")
+    for r in range(WORLD):
+        plain, ours = out[r]["plain"], out[r]["compressed"]
+        assert not np.isfinite(plain).all()
+        # never silently finite: wherever plain allreduce is NaN/inf, ours is non-finite too
+        assert not np.isfinite(ours[~np.isfinite(plain)]).any()
+        assert not np.isfinite(out[r]["f16"][~np.isfinite(plain)]).any()
+        # ... by the documented rule, bit for bit (untouched chunks decode as before)
+        np.testing.assert_array_equal(ours, expected)
+        assert np.isfinite(ours).sum() >= 1000 // 4  # only chunks with NaN/inf are lost
+        assert out[r]["ef residuals finite"]

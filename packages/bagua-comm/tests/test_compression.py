@@ -11,6 +11,12 @@ NP_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "
 DTYPES = list(NP_NAME)
 
 
+def _with(x, values):
+    for i, v in values.items():
+        x[i] = float(v)
+    return x
+
+
 def _inputs(dtype):
     g = torch.Generator().manual_seed(7)
     ties = torch.arange(-300, 300, dtype=torch.float32) / 2  # many exact .5 products
@@ -27,6 +33,10 @@ def _inputs(dtype):
         # |upper| just under and over 2**22, where the kernel switches rounding paths
         ("near the fast-path bound", torch.rand(512, generator=g) + 16000, 2),
         ("just past the bound", torch.rand(512, generator=g) * 0.5 + 16440, 2),
+        # non-finite chunks: [NaN, NaN] header, codes 0; the other chunks as usual
+        ("nan", _with(torch.randn(200, generator=g), {3: "nan", 0: "nan"}), 4),
+        ("+-inf", _with(torch.randn(200, generator=g), {60: "inf", 199: "-inf"}), 4),
+        ("inf and nan in one chunk", _with(torch.randn(77, generator=g), {9: "inf", 10: "nan"}), 7),
     ]
     return [(name, x.to(dtype), chunks) for name, x, chunks in cases]
 
@@ -50,10 +60,10 @@ def test_decompress_matches_the_numpy_decoder(dtype):
         assert c.decompress(payload, out) is out
         expected = torch.from_numpy(ref.decompress(payload.numpy(), NP_NAME[dtype],
                                                    x.numel(), chunks))
-        assert torch.equal(out, expected.to(dtype)), name
+        assert torch.allclose(out, expected.to(dtype), rtol=0, atol=0, equal_nan=True), name
         wide = torch.empty(x.numel())
         c.decompress(payload, wide, dtype=dtype)  # float16/bfloat16 headers into float32
-        assert torch.equal(wide, expected), name
+        assert torch.allclose(wide, expected, rtol=0, atol=0, equal_nan=True), name
 
 
 def test_layout_header_then_codes_in_32_byte_records():

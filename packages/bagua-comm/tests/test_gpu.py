@@ -87,6 +87,11 @@ def test_cupy_kernels_are_byte_identical_to_cython(dtype):
     cases = [(torch.randn(1 << 16, generator=g) * 5, 16), (torch.randn(999, generator=g), 3),
              (torch.arange(-300, 300) / 2, 4), (torch.tensor([0.0, -0.0, 2.0, 2.0]), 2),
              (torch.randn(1 << 20, generator=g) + 100, 7 * 8)]
+    for values in ({5: "nan"}, {0: "inf", 700: "-inf"}, {1: "nan", 2: "inf"}):  # non-finite
+        x = torch.randn(1024, generator=g)
+        for i, v in values.items():
+            x[i] = float(v)
+        cases.append((x, 4))
     for x, chunks in cases:
         n = x.numel() // chunks * chunks
         x = x[:n].to(dtype)
@@ -96,6 +101,7 @@ def test_cupy_kernels_are_byte_identical_to_cython(dtype):
         assert torch.equal(gpu.cpu(), cpu), (dtype, n, chunks)
         out_cpu = c.decompress(cpu, torch.empty_like(x))
         out_gpu = c.decompress(cpu.cuda(), torch.empty_like(x, device="cuda"))
-        assert torch.equal(out_gpu.cpu(), out_cpu)
+        assert torch.allclose(out_gpu.cpu(), out_cpu, rtol=0, atol=0, equal_nan=True)
         wide = c.decompress(cpu.cuda(), torch.empty(n, device="cuda"), dtype=dtype)
-        assert torch.equal(wide.cpu(), c.decompress(cpu, torch.empty(n), dtype=dtype))
+        assert torch.allclose(wide.cpu(), c.decompress(cpu, torch.empty(n), dtype=dtype),
+                              rtol=0, atol=0, equal_nan=True)

@@ -123,7 +123,7 @@ def test_backend_selection_and_fallback_to_gloo():
 
 
 def test_gpu_modules_import_no_cuda_library():
-    code = ("import sys, bagua_comm._nccl_ops, bagua_comm._minmax_cupy\n"
+    code = ("import sys, bagua_comm._backends.nccl, bagua_comm._minmax_cupy\n"
             "assert not [m for m in sys.modules if m.startswith('cupy')]\n"
             "assert 'libnccl' not in open('/proc/self/maps').read()\n")
     _run(code)

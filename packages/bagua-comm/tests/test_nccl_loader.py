@@ -52,3 +52,51 @@ def test_version_when_the_wheel_is_installed():
     from bagua_comm import _nccl
 
     assert _nccl.library_path() == _nccl_loader.nccl_library_path()
+
+
+def _tree(root, *files):
+    """Fake site-packages: empty files at the given relative paths; returns nvidia/ root."""
+    for rel in files:
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"")
+    return str(root / "nvidia")
+
+
+def test_wheel_search_covers_the_cu12_and_cu13_layouts(tmp_path):
+    # nvidia-nccl-cu12 and nvidia-nccl-cu13 2.32 both ship nvidia/nccl/lib/libnccl.so.2
+    # (checked against the real wheels); other CUDA 13 wheels use nvidia/cu13/lib.
+    cu12 = _tree(tmp_path / "a", "nvidia/nccl/lib/libnccl.so.2",
+                 "nvidia_nccl_cu12-2.27.3.dist-info/METADATA")
+    cu13 = _tree(tmp_path / "b", "nvidia/nccl/lib/libnccl.so.2",
+                 "nvidia_nccl_cu13-2.32.3.dist-info/METADATA")
+    split = _tree(tmp_path / "c", "nvidia/cu13/lib/libnccl.so.2", "nvidia/cu12/lib/libnccl.so.2")
+    lib = "nccl/lib/libnccl.so.2"
+    roots = [cu12, cu13, split]
+    # torch built for CUDA 13: the cu13 wheels first, then unknown, then cu12; stable within.
+    assert _nccl_loader._from_wheels(roots, "13") == [
+        f"{cu13}/{lib}", f"{split}/cu13/lib/libnccl.so.2", f"{cu12}/{lib}",
+        f"{split}/cu12/lib/libnccl.so.2"]
+    assert _nccl_loader._from_wheels(roots, "12") == [
+        f"{cu12}/{lib}", f"{split}/cu12/lib/libnccl.so.2", f"{cu13}/{lib}",
+        f"{split}/cu13/lib/libnccl.so.2"]
+    # CPU torch: site-packages order, each root's layouts in WHEEL_LAYOUTS order.
+    assert _nccl_loader._from_wheels(roots, "") == [
+        f"{cu12}/{lib}", f"{cu13}/{lib}", f"{split}/cu13/lib/libnccl.so.2",
+        f"{split}/cu12/lib/libnccl.so.2"]
+    assert _nccl_loader._from_wheels([str(tmp_path / "none")], "13") == []
+
+
+def test_candidates_order_env_process_wheels_system(monkeypatch):
+    monkeypatch.setenv("BAGUA_NCCL_LIBRARY", "/env/libnccl.so.2")
+    monkeypatch.setattr(_nccl_loader, "_mapped_in_process", lambda: "/proc/libnccl.so.2")
+    monkeypatch.setattr(_nccl_loader, "_from_wheels", lambda: ["/w1/libnccl.so.2"])
+    assert _nccl_loader.candidates() == [
+        ("BAGUA_NCCL_LIBRARY", "/env/libnccl.so.2"), ("process", "/proc/libnccl.so.2"),
+        ("wheel", "/w1/libnccl.so.2"), ("system", "libnccl.so.2")]
+
+
+def test_install_hint_names_both_cuda_extras():
+    assert "bagua-comm[cu12]" in _nccl_loader.INSTALL_HINT
+    assert "bagua-comm[cu13]" in _nccl_loader.INSTALL_HINT
+    assert "nvidia-nccl-cu13" in _nccl_loader.INSTALL_HINT

@@ -162,5 +162,20 @@ class AlgorithmImpl:
             raise ValueError(f"{type(self).__name__} has no state to load, got keys "
                              f"{sorted(state)}")
 
+    def load_foreign_state_dict(self, state: dict, *, world_size: int, rank: int) -> str | None:
+        """Load ``state`` saved by ``rank`` of a job of ``world_size`` ranks, where that is
+        not this rank or not this world size (elastic resume from rank 0's checkpoint).
+
+        Restore what every rank shares; re-derive or reset what belongs to one rank or one
+        world size, and return a short phrase saying what was reset (None: nothing was).
+        Never raise for a state this algorithm saved.  The default loads the state as is and,
+        if it does not fit, starts this algorithm's state afresh.
+        """
+        try:
+            self.load_state_dict(state)
+        except (ValueError, KeyError, RuntimeError) as err:
+            return f"its saved state does not fit this job and starts afresh ({err})"
+        return None
+
     def shutdown(self) -> None:
         """Release threads and buffers (before re-wrapping or at exit)."""

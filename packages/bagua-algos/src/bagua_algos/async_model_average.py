@@ -106,6 +106,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
             atexit.register(self._stop_at_exit)
             self._atexit_registered = True
         self.abort_event.clear()
+        # daemon: never keeps the process alive; _stop_at_exit stops it at exit
         self.thread = threading.Thread(target=self._loop, name="bagua-async-average",
                                        daemon=True)
         self.thread.start()
@@ -121,10 +122,19 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self._apply_pending()
 
     def resume(self, module):
-        """Restart averaging after :meth:`abort` (call it on every rank)."""
+        """Restart averaging after :meth:`abort` (call it on every rank).
+
+        Every rank's thread stops at the same agreed round (a peer's abort stops this rank's
+        thread too), so each rank first stops and joins whatever thread it still has, then
+        starts a fresh one: all ranks restart together, whether this rank's thread was
+        stopped by its own ``abort()``, by a peer's, or never."""
+        self.abort_event.set()
         if self.thread is not None:
-            return
+            self.thread.join()
+            self.thread = None
+        self._apply_pending()            # raises if the old thread failed (a dead peer)
         self.stopped = False
+        self.abort_event.clear()
         if module.step > self.warmup_steps:
             self._start()
 
@@ -162,6 +172,10 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         if thread is not None and thread.is_alive():
             self.abort_event.set()
             thread.join(timeout=self.interval + 10.0)
+
+    def load_foreign_state_dict(self, state, *, world_size, rank):
+        return ("averages not yet applied when the checkpoint was taken are dropped; the "
+                "background thread starts afresh over the new ranks")
 
     def shutdown(self):
         if self.thread is not None:

@@ -79,6 +79,16 @@ class CompressedAllReduce:
         self.runner.close()
 
 
+def reset_residuals_note(state) -> str | None:
+    """What resetting the compressors saved in ``state`` loses (None: nothing)."""
+    saved = state.get("compressors", {}) if isinstance(state, dict) else {}
+    if any(s.get("residuals") for s in saved.values() if isinstance(s, dict)):
+        return ("error-feedback residuals are per rank and restart at zero (for a bit-exact "
+                "resume at the same world size, save optimizer.state_dict() on every rank "
+                "and load each rank's own file)")
+    return None
+
+
 class ByteGradImpl(AlgorithmImpl):
     def __init__(self, group, hierarchical, average, error_feedback):
         super().__init__(group)
@@ -92,6 +102,11 @@ class ByteGradImpl(AlgorithmImpl):
 
     def load_state_dict(self, state):
         self.allreduce.load_state_dict(state["compressors"])
+
+    def load_foreign_state_dict(self, state, *, world_size, rank):
+        # Residuals are one rank's quantisation error (and their chunking follows the world
+        # size): another rank's would add its error twice, so this rank's start at zero.
+        return reset_residuals_note(state)
 
     def shutdown(self):
         self.allreduce.close()

@@ -137,6 +137,15 @@ class DecentralizedImpl(AlgorithmImpl):
     def load_state_dict(self, state):
         self.rounds = int(state["rounds"])
 
+    def load_foreign_state_dict(self, state, *, world_size, rank):
+        # The round counter is the same on every rank; peers follow from (rank, size, round).
+        self.load_state_dict(state)
+        if world_size == self.group.size:
+            return None
+        what = "shift_one pairing" if self.mode == "shift_one" else "peer set"
+        return (f"the {what} is re-derived for {self.group.size} ranks from round "
+                f"{self.rounds}; every rank starts from the loaded weights")
+
     def shutdown(self):
         if self._work is not None:
             self._work.wait()

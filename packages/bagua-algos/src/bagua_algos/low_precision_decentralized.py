@@ -46,6 +46,8 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         if self.hierarchical:
             prepare_hierarchy(group)
         self.ring = group.inter_node_group() if self.hierarchical else group
+        self._resync = False          # replicas to re-derive from the neighbours (resume)
+        self._mine_from_weights = False
 
     def init_operations(self, module, buckets):
         from bagua_comm.compression import MinMaxUInt8
@@ -55,6 +57,29 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         self.mine = [b.weight.clone() for b in buckets]     # x: my last communicated weights
         self.left = [b.weight.clone() for b in buckets]     # replicas (everyone starts equal)
         self.right = [b.weight.clone() for b in buckets]
+
+    def forward_pre_hook(self, module):
+        if self._mine_from_weights:    # a checkpoint whose buckets did not fit
+            self._mine_from_weights = False
+            with torch.no_grad():
+                for x, b in zip(self.mine, self.buckets):
+                    x.copy_(b.gather_weights())
+
+    def _resync_replicas(self, i: int) -> None:
+        """Set the replicas of both neighbours to their ``x`` (full precision, once after a
+        resume).  Exact: a replica always equals its owner's ``x`` bit for bit, since both
+        add the same decoded differences."""
+        g = self.ring
+        left_rank, right_rank = (g.rank - 1) % g.size, (g.rank + 1) % g.size
+        works = [bc.send(self.mine[i], p, group=g, async_op=True)
+                 for p in {left_rank, right_rank}]
+        works.append(bc.recv(self.left[i], left_rank, group=g, async_op=True))
+        if right_rank != left_rank:
+            works.append(bc.recv(self.right[i], right_rank, group=g, async_op=True))
+        for work in works:
+            work.wait()
+        if right_rank == left_rank:
+            self.right[i].copy_(self.left[i])
 
     def _ring_step(self, i: int, w: torch.Tensor) -> None:
         g = self.ring
@@ -89,10 +114,13 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
                 if intra is not None and intra.size > 1:
                     bc.reduce_inplace(w, 0, bc.ReduceOp.AVG, group=intra)
                 if self.ring.is_member() and self.ring.size > 1:
+                    if self._resync:
+                        self._resync_replicas(i)
                     self._ring_step(i, w)
                 if intra is not None and intra.size > 1:
                     bc.broadcast(w, 0, group=intra)
                 b.scatter_weights()
+        self._resync = False
         self.rounds += 1
 
     def state_dict(self):
@@ -108,3 +136,19 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
             for a, b in zip(ours, saved):
                 a.copy_(b)
         self.rounds = int(state["rounds"])
+        # Every rank re-derives its replicas at the next round, whichever file it loaded
+        # (rank 0 cannot know whether its peers loaded their own files or its own).
+        self._resync = True
+
+    def load_foreign_state_dict(self, state, *, world_size, rank):
+        self.rounds = int(state.get("rounds", 0))
+        saved = state.get("mine", [])
+        if len(saved) == len(self.mine) and all(a.shape == b.shape
+                                                for a, b in zip(saved, self.mine)):
+            for a, b in zip(self.mine, saved):
+                a.copy_(b)
+        else:
+            self._mine_from_weights = True
+        self._resync = True
+        return ("each rank's replicas of its ring neighbours are re-derived from the "
+                "neighbours' weights (one full-precision exchange at the next round)")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import logging
 import warnings
 from collections.abc import Iterable
 
@@ -17,6 +19,7 @@ from .algorithm import Algorithm, AlgorithmImpl
 
 DEFAULT_BUCKET_SIZE = 10 * 1024 * 1024
 _STATE_KEY = "bagua_algos"
+logger = logging.getLogger("bagua_algos")
 
 
 def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | None = None, *,
@@ -38,7 +41,8 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
     bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
     _autotune.check_bucket_size(bucket_size)
     autotune = _autotune.resolve_options(autotune)     # validated before any communication
-    if isinstance(model, BaguaModule):
+    rewrap = isinstance(model, BaguaModule)
+    if rewrap:
         model.detach_algorithm()
         model = model.module
     if not isinstance(model, torch.nn.Module):
@@ -53,6 +57,8 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
     if not isinstance(algorithm, Algorithm):
         raise ValueError("algorithm must be a bagua_algos.Algorithm (e.g. GradientAllReduce() or "
                          f"Algorithm.init('gradient_allreduce')), got {type(algorithm).__name__}")
+    if not bc.is_initialized() and torch.distributed.is_initialized():
+        bc.init_process_group()  # adopt torch's default process group (DDP users' habit)
     if not bc.is_initialized():
         raise RuntimeError("bagua_comm is not initialised: call bagua_comm.init_process_group() "
                            "before with_bagua()")
@@ -60,6 +66,13 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
     if not isinstance(group, bc.ProcessGroup) or not group.is_member():
         raise ValueError(f"group must be a bagua_comm.ProcessGroup containing this rank, "
                          f"got {group!r}")
+    if not rewrap and group.rank == 0 and any(opt.state for opt in optimizers):
+        logger.warning(
+            "with_bagua: the optimizer already holds state. If it came from "
+            "optimizer.load_state_dict() of a checkpoint, the algorithm's state saved in it "
+            "(step counter, error-feedback residuals, replicas) was dropped: load checkpoints "
+            "after with_bagua: model = with_bagua(model, [optimizer], algorithm); "
+            "model.load_state_dict(ck['model']); optimizer.load_state_dict(ck['optimizer'])")
     return BaguaModule(model, optimizers, algorithm, group, do_flatten, bucket_size,
                        autotune=autotune)
 
@@ -78,6 +91,29 @@ def _broadcast_tensors(tensors: Iterable[torch.Tensor], group: bc.ProcessGroup) 
             for t in ts:
                 t.copy_(flat[off:off + t.numel()].view_as(t))
                 off += t.numel()
+
+
+def _flat_on_one_level(algorithm: Algorithm, group: bc.ProcessGroup) -> Algorithm:
+    """The algorithm to run: a hierarchical mode needs several nodes with several processes
+    each.  On one node there is no inter-node link to save, and a hierarchical mode would
+    reduce everything in full precision inside the node (ByteGrad, QAdam and
+    LowPrecisionDecentralized would compress nothing); with one process per node it is the
+    flat mode with extra groups.  Either way the flat mode runs, said in one log line."""
+    if getattr(algorithm, "hierarchical", False) is not True:
+        return algorithm
+    nodes, size = group.num_nodes, group.size
+    if 1 < nodes < size:
+        return algorithm
+    if getattr(algorithm, "peer_selection_mode", None) == "shift_one" and size % 2:
+        return algorithm              # flat shift_one needs an even number of ranks
+    flat = copy.copy(algorithm)
+    flat.hierarchical = False
+    if group.rank == 0 and size > 1:
+        where = "one node" if nodes == 1 else "one process per node"
+        logger.warning(f"bagua_algos: {type(algorithm).__name__}(hierarchical=True) runs flat "
+                       f"(hierarchical=False) on {where} ({size} processes): hierarchical "
+                       "modes pay off only between nodes of several processes each")
+    return flat
 
 
 class BaguaModule(torch.nn.Module):
@@ -107,7 +143,7 @@ class BaguaModule(torch.nn.Module):
             if group.rank != 0:
                 opt.load_state_dict(state)
 
-        self.impl: AlgorithmImpl = algorithm.reify(group)
+        self.impl: AlgorithmImpl = _flat_on_one_level(algorithm, group).reify(group)
         tensors = self.impl.init_tensors(self)
         groups = self.impl.tensors_to_buckets(tensors, bucket_size)
         align = self.impl.bucket_alignment()
@@ -203,13 +239,17 @@ class BaguaModule(torch.nn.Module):
 
     # -- checkpoints ----------------------------------------------------------------------------
     def bagua_state_dict(self) -> dict:
-        """The algorithm's state (also saved inside the first optimizer's ``state_dict()``)."""
+        """The algorithm's state (also saved inside the first optimizer's ``state_dict()``),
+        with the world size and rank that saved it."""
         return {"algorithm": self.algorithm.name, "step": self.step,
+                "world_size": self.group.size, "rank": self.group.rank,
                 "impl": self.impl.state_dict()}
 
     def load_bagua_state_dict(self, state: dict) -> None:
-        """Restore :meth:`bagua_state_dict`'s output.  State saved by another algorithm (a
-        run that switched algorithm) restores the step counter only, with a warning."""
+        """Restore :meth:`bagua_state_dict`'s output, from this rank's own checkpoint (exact)
+        or from another rank's / another world size's (shared state such as the step and
+        round counters is restored; per-rank state is re-derived or reset, said in one log
+        line).  State saved by another algorithm restores the step counter only."""
         if not isinstance(state, dict) or "step" not in state:
             raise ValueError("state must be a dict from BaguaModule.bagua_state_dict()")
         self.step = int(state["step"])
@@ -218,7 +258,23 @@ class BaguaModule(torch.nn.Module):
                           f" but this module runs {self.algorithm.name!r}: only the step "
                           "counter is restored", stacklevel=2)
             return
-        self.impl.load_state_dict(state["impl"])
+        world, rank = self.group.size, self.group.rank
+        saved_world = int(state.get("world_size", world))
+        saved_rank = int(state.get("rank", rank))
+        if saved_world == world and saved_rank == rank:
+            self.impl.load_state_dict(state["impl"])          # exact
+            return
+        note = self.impl.load_foreign_state_dict(state["impl"], world_size=saved_world,
+                                                  rank=saved_rank)
+        if saved_world != world and not note:
+            note = "nothing is per rank; the step counter and optimizer state are restored"
+        # One line per job: the lowest rank that resets anything says it.
+        speaker = 0 if (saved_world != world or saved_rank != 0) else 1
+        if note and rank == speaker:
+            where = (f"at world size {saved_world}, now {world}" if saved_world != world
+                     else f"by rank {saved_rank} and loaded on other ranks too")
+            logger.warning(f"bagua_algos: {self.algorithm.name} resumes from a checkpoint "
+                           f"saved {where}: {note}")
 
     def _save_into_optimizer(self, _optimizer, state_dict):
         state_dict[_STATE_KEY] = self.bagua_state_dict()

@@ -11,7 +11,7 @@ import bagua_comm as bc
 
 from ._comm import Runner, hierarchical, prepare_hierarchy
 from .algorithm import Algorithm, AlgorithmImpl
-from .bytegrad import CompressedAllReduce
+from .bytegrad import CompressedAllReduce, reset_residuals_note
 from .decentralized import check_bool
 
 
@@ -168,6 +168,11 @@ class QAdamImpl(AlgorithmImpl):
 
     def load_state_dict(self, state):
         self.compressed.load_state_dict(state["compressors"])
+
+    def load_foreign_state_dict(self, state, *, world_size, rank):
+        # Moments and step_id are ordinary optimizer state (restored by torch); only the
+        # compressors' chunking (one chunk per rank) and any residuals belong to the old job.
+        return reset_residuals_note(state)
 
     def shutdown(self):
         self.compressed.close()

@@ -91,7 +91,7 @@ def compressed_allreduce(send, recv, op=ReduceOp.AVG, compressor=None, *, key="a
             + compressor.payload_numel(seg, chunks=k) * (g.size - 1))
     traffic.record("compressed_allreduce", sent)
     if send.is_cuda:
-        from . import _nccl_ops
+        from ._backends import nccl as _nccl_ops
 
         return _nccl_ops.compressed_allreduce(send, recv, op, compressor, k, seg, key, g,
                                               async_op)

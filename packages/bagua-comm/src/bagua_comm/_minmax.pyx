@@ -6,11 +6,15 @@ float16 through a lookup table, bfloat16 by a shift); every value is widened to 
 exactly and all arithmetic is float32.  Rounding is round-half-to-even (``rint``), written
 with the 2**23 trick so that it is exact without SSE4.1 and identical to CUDA's ``rintf``.
 Headers (the ``[min, max]`` pair in the tensor's own type) are written by the caller.
+
+Non-finite input: a chunk holding a NaN or an infinity gets the header ``[NaN, NaN]`` and all
+codes 0, and decodes to NaN everywhere (the formula itself would quietly clamp a NaN to the
+chunk's maximum).  Finite chunks are unaffected.
 """
 
 from libc.stdint cimport uint8_t, uint16_t, uint32_t
 from libc.math cimport copysignf, fabsf
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 
 ctypedef fused src_t:
     float
@@ -49,6 +53,10 @@ cdef inline float _rint(float v) noexcept nogil:
     return r if a < <float>8388608.0 else v
 
 
+cdef inline float _nan() noexcept nogil:
+    return _bits_to_f32(0x7fc00000)  # the canonical quiet NaN (as CUDA and torch write it)
+
+
 cdef inline float _scale(float mn, float mx) noexcept nogil:
     return <float>255.0 / ((mx - mn) + <float>1e-7)
 
@@ -56,9 +64,11 @@ cdef inline float _scale(float mn, float mx) noexcept nogil:
 cdef void _minmax_chunk(const src_t* p, Py_ssize_t m, int kind, const float* tab,
                         float* mn_out, float* mx_out) noexcept nogil:
     """Min and max of ``p[:m]``: eight independent lanes (the compiler makes them vector
-    min/max instructions), folded at the end."""
+    min/max instructions), folded at the end.  ``z`` sums ``v * 0``, which stays 0 unless
+    some ``v`` is NaN or infinite: then both results are NaN."""
     cdef float a[8]
     cdef float b[8]
+    cdef float z[8]
     cdef float v
     cdef Py_ssize_t i = 0
     cdef int k
@@ -66,20 +76,28 @@ cdef void _minmax_chunk(const src_t* p, Py_ssize_t m, int kind, const float* tab
     for k in range(8):
         a[k] = v
         b[k] = v
+        z[k] = 0
     while i + 8 <= m:
         for k in range(8):
             v = _load(p, i + k, kind, tab)
             a[k] = v if v < a[k] else a[k]
             b[k] = v if v > b[k] else b[k]
+            z[k] = z[k] + v * <float>0.0
         i += 8
     while i < m:
         v = _load(p, i, kind, tab)
         a[0] = v if v < a[0] else a[0]
         b[0] = v if v > b[0] else b[0]
+        z[0] = z[0] + v * <float>0.0
         i += 1
     for k in range(1, 8):
         a[0] = a[k] if a[k] < a[0] else a[0]
         b[0] = b[k] if b[k] > b[0] else b[0]
+        z[0] = z[0] + z[k]
+    if z[0] != z[0]:  # a NaN or an infinity in the chunk
+        mn_out[0] = _nan()
+        mx_out[0] = _nan()
+        return
     mn_out[0] = a[0] + <float>0.0  # -0 becomes +0
     mx_out[0] = b[0] + <float>0.0
 
@@ -147,7 +165,9 @@ def encode(const src_t[::1] src, int kind, const float[::1] lut, Py_ssize_t chun
             upper = _rint(maxs[c] * scale)
             lower = upper - <float>255.0
             out = &payload[c * record + header]
-            if fabsf(upper) <= <float>4194304.0 and fabsf(lower) <= <float>4194304.0:
+            if mins[c] != mins[c]:  # non-finite chunk: codes 0, decodes to NaN
+                memset(out, 0, m)
+            elif fabsf(upper) <= <float>4194304.0 and fabsf(lower) <= <float>4194304.0:
                 _codes_small(p + c * m, m, kind, tab, scale, lower, upper, out)
             else:
                 _codes_general(p + c * m, m, kind, tab, scale, lower, upper, out)

@@ -6,6 +6,7 @@ IEEE division, and the kernels are compiled with ``--fmad=false`` so that no pro
 into an add.  Min and max are reduced per chunk by one block; codes are written by a grid
 over (chunk, element).  Headers and zero padding are written with torch, exactly as on CPU.
 Kernels run on CuPy's current stream (the caller sets it to torch's current stream).
+A chunk holding a NaN or an infinity gets the header ``[NaN, NaN]`` and codes 0, as on CPU.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import functools
 
 import torch
 
-from .compression import _KINDS, HEADER_BYTES, record_bytes
+from .compression import _KINDS, HEADER_BYTES, header_bytes, record_bytes
 
 _SOURCE = r"""
 typedef unsigned char u8;
@@ -54,11 +55,14 @@ __device__ void minmax_impl(const void* src, long long m, float* mins, float* ma
     long long base = (long long)blockIdx.x * m;
     float first = load<KIND>(src, base);
     float a = first, b = first;
+    int bad = 0;
     for (long long i = threadIdx.x; i < m; i += blockDim.x) {
         float v = load<KIND>(src, base + i);
         a = v < a ? v : a;
         b = v > b ? v : b;
+        bad |= !isfinite(v);
     }
+    bad = __syncthreads_or(bad);          /* a NaN or an infinity anywhere in the chunk */
     smin[threadIdx.x] = a;
     smax[threadIdx.x] = b;
     __syncthreads();
@@ -71,8 +75,9 @@ __device__ void minmax_impl(const void* src, long long m, float* mins, float* ma
         __syncthreads();
     }
     if (threadIdx.x == 0) {
-        mins[blockIdx.x] = smin[0] + 0.0f;    /* -0 becomes +0 */
-        maxs[blockIdx.x] = smax[0] + 0.0f;
+        float nan = __int_as_float(0x7fc00000);
+        mins[blockIdx.x] = bad ? nan : smin[0] + 0.0f;    /* -0 becomes +0 */
+        maxs[blockIdx.x] = bad ? nan : smax[0] + 0.0f;
     }
 }
 
@@ -84,8 +89,10 @@ __device__ void encode_impl(const void* src, long long m, const float* mins, con
     float upper = rintf(maxs[c] * scale);
     float lower = upper - 255.0f;
     u8* out = payload + c * record + 32;
+    bool bad = mins[c] != mins[c];        /* non-finite chunk: codes 0, decodes to NaN */
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < m;
          i += (long long)gridDim.x * blockDim.x) {
+        if (bad) { out[i] = 0; continue; }
         float q = rintf(load<KIND>(src, c * m + i) * scale);
         q = q < upper ? q : upper;
         q = q - lower;
@@ -179,7 +186,7 @@ def compress(flat: torch.Tensor, chunks: int, payload: torch.Tensor | None = Non
                                              _ptr(maxs), _ptr(payload),
                                              np.int64(rec)))
     rows = payload.view(chunks, rec)
-    rows[:, :2 * isz] = torch.stack([mins, maxs], dim=1).to(flat.dtype).view(torch.uint8)
+    rows[:, :2 * isz] = header_bytes(mins, maxs, flat.dtype)
     rows[:, 2 * isz:HEADER_BYTES] = 0
     rows[:, HEADER_BYTES + m:] = 0
     return payload

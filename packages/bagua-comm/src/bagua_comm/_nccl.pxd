@@ -1,5 +1,5 @@
 # The NCCL C ABI restated (no nccl.h): only the types and signatures we call.
-# Pointers to NCCL functions are resolved with dlsym at run time (see _nccl.pyx).
+# Pointers to NCCL functions are resolved with dlsym once, at load (see _nccl.pyx).
 
 ctypedef int ncclResult_t
 ctypedef void* ncclComm_t

@@ -1,10 +1,13 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Thin binding over libnccl, resolved with dlopen/dlsym at first use.
+"""Thin binding over libnccl, opened with dlopen at first use.
 
 Nothing here includes nccl.h or links NCCL/CUDA: the ABI is restated in _nccl.pxd, the
-library is opened by path (see _nccl_loader.py), and every NCCL call runs without the GIL.
+library is opened by path (see _nccl_loader.py), every entry point is resolved once into a
+table when it loads (no per-call dlsym), and every NCCL call runs without the GIL.
 """
 
+
+import threading
 
 from libc.string cimport memcpy
 
@@ -16,11 +19,13 @@ cdef extern from "<dlfcn.h>" nogil:
     int RTLD_NOW
     int RTLD_GLOBAL
 
+# The symbol table: every entry point we call, resolved once by load_library() (under
+# _load_lock) and never looked up again.  An entry an older libnccl lacks stays NULL and the
+# function that needs it raises NcclMissingSymbol when called.
 cdef void* _handle = NULL
 cdef GetVersion_t _GetVersion = NULL
 cdef GetUniqueId_t _GetUniqueId = NULL
 cdef GetErrorString_t _GetErrorString = NULL
-
 cdef GetLastError_t _GetLastError = NULL
 cdef CommInitRank_t _CommInitRank = NULL
 cdef CommOp_t _CommDestroy = NULL
@@ -39,6 +44,21 @@ cdef Group_t _GroupStart = NULL
 cdef Group_t _GroupEnd = NULL
 
 _path = None
+_version = 0
+_load_lock = threading.Lock()
+_symbols = {}
+
+# Entry points without which the library is not usable as libnccl at all.
+REQUIRED = ("ncclGetVersion", "ncclGetErrorString", "ncclGetUniqueId")
+# The rest, with the NCCL release that introduced each (for the missing-symbol message).
+OPTIONAL = {
+    "ncclGetLastError": "2.13", "ncclCommInitRank": "2.0", "ncclCommDestroy": "2.0",
+    "ncclCommAbort": "2.4", "ncclCommGetAsyncError": "2.4", "ncclCommCount": "2.0",
+    "ncclCommUserRank": "2.0", "ncclAllReduce": "2.0", "ncclReduce": "2.0",
+    "ncclBroadcast": "2.0", "ncclAllGather": "2.0", "ncclReduceScatter": "2.0",
+    "ncclSend": "2.7", "ncclRecv": "2.7", "ncclGroupStart": "2.0", "ncclGroupEnd": "2.0",
+}
+SYMBOLS = REQUIRED + tuple(OPTIONAL)
 
 
 class NcclError(RuntimeError):
@@ -53,11 +73,38 @@ class NcclError(RuntimeError):
         return (NcclError, (self.status, self.message))
 
 
-cdef void* _sym(const char* name) except NULL:
-    cdef void* p = dlsym(_handle, name)
-    if p == NULL:
-        raise NcclError(-1, f"symbol {name.decode()} missing from {_path} (NCCL too old?)")
-    return p
+class NcclMissingSymbol(NcclError):
+    """The loaded libnccl lacks an entry point the called function needs (an older NCCL)."""
+
+    def __init__(self, symbol, version=None, path=None):
+        self.symbol = symbol
+        self.version = version if version is not None else version_string()
+        self.path = path if path is not None else _path
+        since = OPTIONAL.get(symbol)
+        need = f"; it needs NCCL >= {since}" if since else ""
+        NcclError.__init__(
+            self, -1, f"{symbol} is missing from libnccl {self.version} ({self.path}){need}: "
+            "upgrade NCCL (pip install -U nvidia-nccl-cu12 or nvidia-nccl-cu13) or point "
+            "BAGUA_NCCL_LIBRARY at a newer libnccl.so.2")
+
+    def __reduce__(self):
+        return (NcclMissingSymbol, (self.symbol, self.version, self.path))
+
+
+def _decode_version(int code):
+    """(major, minor, patch) of an NCCL_VERSION_CODE (2.9+: x*10000, older: x*1000)."""
+    major, rest = divmod(code, 10000) if code >= 10000 else divmod(code, 1000)
+    minor, patch = divmod(rest, 100)
+    return major, minor, patch
+
+
+def version_string():
+    """The loaded library's version as "2.27.3" (or "unknown" before loading)."""
+    return ".".join(map(str, _decode_version(_version))) if _version else "unknown"
+
+
+cdef int _missing(str name) except -1:
+    raise NcclMissingSymbol(name)
 
 
 cdef inline int _check(ncclResult_t status, ncclComm_t comm=NULL) except -1:
@@ -70,9 +117,6 @@ cdef str _message(ncclResult_t status, ncclComm_t comm):
     """NCCL's string for ``status``, plus its last-error detail when the library has one."""
     msg = error_string(status)
     cdef const char* detail = NULL
-    global _GetLastError
-    if _GetLastError == NULL and _handle != NULL:
-        _GetLastError = <GetLastError_t>dlsym(_handle, b"ncclGetLastError")
     if _GetLastError != NULL:
         with nogil:
             detail = _GetLastError(comm)
@@ -81,28 +125,78 @@ cdef str _message(ncclResult_t status, ncclComm_t comm):
     return msg
 
 
+cdef void* _resolve(void* h, str name):
+    cdef bytes b = name.encode()
+    cdef void* p = dlsym(h, b)
+    _symbols[name] = p != NULL
+    return p
+
+
+cdef int _fill_table(void* h) except -1:
+    global _GetVersion, _GetUniqueId, _GetErrorString, _GetLastError, _CommInitRank
+    global _CommDestroy, _CommAbort, _CommGetAsyncError, _CommCount, _CommUserRank
+    global _AllReduce, _Reduce, _Broadcast, _AllGather, _ReduceScatter, _Send, _Recv
+    global _GroupStart, _GroupEnd
+    _GetVersion = <GetVersion_t>_resolve(h, "ncclGetVersion")
+    _GetErrorString = <GetErrorString_t>_resolve(h, "ncclGetErrorString")
+    _GetUniqueId = <GetUniqueId_t>_resolve(h, "ncclGetUniqueId")
+    _GetLastError = <GetLastError_t>_resolve(h, "ncclGetLastError")
+    _CommInitRank = <CommInitRank_t>_resolve(h, "ncclCommInitRank")
+    _CommDestroy = <CommOp_t>_resolve(h, "ncclCommDestroy")
+    _CommAbort = <CommOp_t>_resolve(h, "ncclCommAbort")
+    _CommGetAsyncError = <CommGetAsyncError_t>_resolve(h, "ncclCommGetAsyncError")
+    _CommCount = <CommInfo_t>_resolve(h, "ncclCommCount")
+    _CommUserRank = <CommInfo_t>_resolve(h, "ncclCommUserRank")
+    _AllReduce = <AllReduce_t>_resolve(h, "ncclAllReduce")
+    _Reduce = <Reduce_t>_resolve(h, "ncclReduce")
+    _Broadcast = <Broadcast_t>_resolve(h, "ncclBroadcast")
+    _AllGather = <AllGather_t>_resolve(h, "ncclAllGather")
+    _ReduceScatter = <ReduceScatter_t>_resolve(h, "ncclReduceScatter")
+    _Send = <SendRecv_t>_resolve(h, "ncclSend")
+    _Recv = <SendRecv_t>_resolve(h, "ncclRecv")
+    _GroupStart = <Group_t>_resolve(h, "ncclGroupStart")
+    _GroupEnd = <Group_t>_resolve(h, "ncclGroupEnd")
+    return 0
+
+
 def load_library(str path):
-    """dlopen ``path`` and resolve the entry points we need eagerly (others on first call)."""
-    global _handle, _GetVersion, _GetUniqueId, _GetErrorString, _path
-    if _handle != NULL:
-        return _path
+    """dlopen ``path`` and resolve every entry point we use, once (idempotent, thread-safe).
+
+    Raises OSError when the file cannot be opened or is not libnccl (one of REQUIRED
+    missing); an entry point that only newer NCCL releases have is recorded as absent and the
+    function needing it raises :class:`NcclMissingSymbol` when called.
+    """
+    global _handle, _path, _version
     cdef bytes bpath = path.encode()
-    cdef void* h = dlopen(bpath, RTLD_NOW | RTLD_GLOBAL)
-    if h == NULL:
-        msg = dlerror()
-        raise OSError(msg.decode() if msg != NULL else f"dlopen({path}) failed")
-    if dlsym(h, b"ncclGetVersion") == NULL:
-        raise OSError(f"{path} is not libnccl: no ncclGetVersion")
-    _handle = h
-    _path = path
-    _GetVersion = <GetVersion_t>_sym(b"ncclGetVersion")
-    _GetUniqueId = <GetUniqueId_t>_sym(b"ncclGetUniqueId")
-    _GetErrorString = <GetErrorString_t>_sym(b"ncclGetErrorString")
-    return path
+    cdef void* h
+    cdef int v = 0
+    with _load_lock:
+        if _handle != NULL:
+            return _path
+        h = dlopen(bpath, RTLD_NOW | RTLD_GLOBAL)
+        if h == NULL:
+            msg = dlerror()
+            raise OSError(msg.decode() if msg != NULL else f"dlopen({path}) failed")
+        absent = [name for name in REQUIRED if dlsym(h, name.encode()) == NULL]
+        if absent:
+            raise OSError(f"{path} is not libnccl: no {', '.join(absent)}")
+        _symbols.clear()
+        _fill_table(h)
+        with nogil:
+            _GetVersion(&v)
+        _version = v
+        _path = path
+        _handle = h  # published last: a thread that sees it sees the whole table
+        return path
 
 
 def library_path():
     return _path
+
+
+def symbols():
+    """{entry point: resolved?} for the loaded library (empty before loading)."""
+    return dict(_symbols)
 
 
 cdef int _require() except -1:
@@ -146,9 +240,8 @@ def get_unique_id():
 def group_start():
     """ncclGroupStart: the following point-to-point calls form one operation."""
     _require()
-    global _GroupStart
     if _GroupStart == NULL:
-        _GroupStart = <Group_t>_sym(b"ncclGroupStart")
+        _missing("ncclGroupStart")
     cdef ncclResult_t st
     with nogil:
         st = _GroupStart()
@@ -157,9 +250,8 @@ def group_start():
 
 def group_end():
     _require()
-    global _GroupEnd
     if _GroupEnd == NULL:
-        _GroupEnd = <Group_t>_sym(b"ncclGroupEnd")
+        _missing("ncclGroupEnd")
     cdef ncclResult_t st
     with nogil:
         st = _GroupEnd()
@@ -171,27 +263,32 @@ cdef class NcclCommunicator:
 
     Buffers and streams are passed as integers (``tensor.data_ptr()``, ``stream.ptr``);
     ``dtype`` and ``op`` are NCCL's enum values.  Every call releases the GIL; a failure raises
-    :class:`NcclError` with the status and NCCL's message.
+    :class:`NcclError` with the status and NCCL's message.  ``abort()``, ``destroy()`` and
+    ``async_error()`` are safe to call from another thread (the watchdog's): they serialise on
+    a per-communicator lock, so the handle is never used after it was freed.
     """
 
     cdef ncclComm_t _comm
     cdef readonly int nranks
     cdef readonly int rank
+    cdef object _life
+    cdef public object watch  # the watchdog's record of this communicator, if any
 
     def __cinit__(self):
         self._comm = NULL
         self.nranks = 0
         self.rank = -1
+        self._life = threading.Lock()
+        self.watch = None
 
     def __init__(self, int nranks, bytes unique_id, int rank):
         _require()
-        global _CommInitRank
         if len(unique_id) != 128:
             raise ValueError(f"unique_id must be 128 bytes, got {len(unique_id)}")
         if not 0 <= rank < nranks:
             raise ValueError(f"rank must be in [0, nranks={nranks}), got {rank}")
         if _CommInitRank == NULL:
-            _CommInitRank = <CommInitRank_t>_sym(b"ncclCommInitRank")
+            _missing("ncclCommInitRank")
         cdef ncclUniqueId uid
         memcpy(uid.internal, <const char*>unique_id, 128)
         cdef ncclComm_t comm = NULL
@@ -204,12 +301,7 @@ cdef class NcclCommunicator:
         self.rank = rank
 
     def __dealloc__(self):
-        global _CommDestroy
-        if self._comm == NULL:
-            return
-        if _CommDestroy == NULL:
-            _CommDestroy = <CommOp_t>dlsym(_handle, b"ncclCommDestroy")
-        if _CommDestroy != NULL:
+        if self._comm != NULL and _CommDestroy != NULL:
             with nogil:
                 _CommDestroy(self._comm)
         self._comm = NULL
@@ -218,6 +310,11 @@ cdef class NcclCommunicator:
     def ptr(self):
         return <size_t>self._comm
 
+    @property
+    def alive(self):
+        """False once destroyed or aborted."""
+        return self._comm != NULL
+
     cdef ncclComm_t _live(self) except? NULL:
         if self._comm == NULL:
             raise RuntimeError("this NCCL communicator was destroyed or aborted")
@@ -225,48 +322,58 @@ cdef class NcclCommunicator:
 
     def destroy(self):
         """Free the communicator after its pending work (idempotent)."""
-        global _CommDestroy
-        if self._comm == NULL:
-            return
         if _CommDestroy == NULL:
-            _CommDestroy = <CommOp_t>_sym(b"ncclCommDestroy")
-        cdef ncclComm_t comm = self._comm
+            _missing("ncclCommDestroy")
+        cdef ncclComm_t comm
         cdef ncclResult_t st
-        self._comm = NULL
-        with nogil:
-            st = _CommDestroy(comm)
+        with self._life:
+            if self._comm == NULL:
+                return
+            comm, self._comm = self._comm, NULL
+            with nogil:
+                st = _CommDestroy(comm)
         _check(st)
 
     def abort(self):
-        """Abandon pending work and free the communicator (idempotent)."""
-        global _CommAbort
-        if self._comm == NULL:
-            return
+        """Abandon pending work and free the communicator (idempotent, GIL released)."""
         if _CommAbort == NULL:
-            _CommAbort = <CommOp_t>_sym(b"ncclCommAbort")
-        cdef ncclComm_t comm = self._comm
+            _missing("ncclCommAbort")
+        cdef ncclComm_t comm
         cdef ncclResult_t st
-        self._comm = NULL
-        with nogil:
-            st = _CommAbort(comm)
+        with self._life:
+            if self._comm == NULL:
+                return
+            comm, self._comm = self._comm, NULL
+            with nogil:
+                st = _CommAbort(comm)
         _check(st)
 
-    def async_error(self):
-        """The communicator's asynchronous error status (0 when healthy)."""
-        global _CommGetAsyncError
+    def async_error(self, bint blocking=True):
+        """The communicator's asynchronous error status (0 when healthy; GIL released).
+
+        Returns None when the communicator is already destroyed or aborted, or, with
+        ``blocking=False``, while another thread is destroying or aborting it.
+        """
         if _CommGetAsyncError == NULL:
-            _CommGetAsyncError = <CommGetAsyncError_t>_sym(b"ncclCommGetAsyncError")
-        cdef ncclComm_t comm = self._live()
+            _missing("ncclCommGetAsyncError")
+        cdef ncclComm_t comm
         cdef ncclResult_t st, res = 0
-        with nogil:
-            st = _CommGetAsyncError(comm, &res)
-        _check(st, comm)
+        if not self._life.acquire(blocking):
+            return None
+        try:
+            if self._comm == NULL:
+                return None
+            comm = self._comm
+            with nogil:
+                st = _CommGetAsyncError(comm, &res)
+            _check(st, comm)
+        finally:
+            self._life.release()
         return res
 
     def count(self):
-        global _CommCount
         if _CommCount == NULL:
-            _CommCount = <CommInfo_t>_sym(b"ncclCommCount")
+            _missing("ncclCommCount")
         cdef ncclComm_t comm = self._live()
         cdef int n = 0
         cdef ncclResult_t st
@@ -276,9 +383,8 @@ cdef class NcclCommunicator:
         return n
 
     def user_rank(self):
-        global _CommUserRank
         if _CommUserRank == NULL:
-            _CommUserRank = <CommInfo_t>_sym(b"ncclCommUserRank")
+            _missing("ncclCommUserRank")
         cdef ncclComm_t comm = self._live()
         cdef int r = -1
         cdef ncclResult_t st
@@ -289,9 +395,8 @@ cdef class NcclCommunicator:
 
     def allreduce(self, size_t sendbuf, size_t recvbuf, size_t count, int dtype, int op,
                   size_t stream):
-        global _AllReduce
         if _AllReduce == NULL:
-            _AllReduce = <AllReduce_t>_sym(b"ncclAllReduce")
+            _missing("ncclAllReduce")
         cdef ncclComm_t comm = self._live()
         cdef ncclResult_t st
         with nogil:
@@ -301,9 +406,8 @@ cdef class NcclCommunicator:
 
     def reduce(self, size_t sendbuf, size_t recvbuf, size_t count, int dtype, int op, int root,
                size_t stream):
-        global _Reduce
         if _Reduce == NULL:
-            _Reduce = <Reduce_t>_sym(b"ncclReduce")
+            _missing("ncclReduce")
         cdef ncclComm_t comm = self._live()
         cdef ncclResult_t st
         with nogil:
@@ -313,9 +417,8 @@ cdef class NcclCommunicator:
 
     def broadcast(self, size_t sendbuf, size_t recvbuf, size_t count, int dtype, int root,
                   size_t stream):
-        global _Broadcast
         if _Broadcast == NULL:
-            _Broadcast = <Broadcast_t>_sym(b"ncclBroadcast")
+            _missing("ncclBroadcast")
         cdef ncclComm_t comm = self._live()
         cdef ncclResult_t st
         with nogil:
@@ -326,9 +429,8 @@ cdef class NcclCommunicator:
     def allgather(self, size_t sendbuf, size_t recvbuf, size_t count, int dtype,
                   size_t stream):
         """``count`` elements from each rank."""
-        global _AllGather
         if _AllGather == NULL:
-            _AllGather = <AllGather_t>_sym(b"ncclAllGather")
+            _missing("ncclAllGather")
         cdef ncclComm_t comm = self._live()
         cdef ncclResult_t st
         with nogil:
@@ -339,9 +441,8 @@ cdef class NcclCommunicator:
     def reduce_scatter(self, size_t sendbuf, size_t recvbuf, size_t count, int dtype, int op,
                        size_t stream):
         """``count`` elements to each rank."""
-        global _ReduceScatter
         if _ReduceScatter == NULL:
-            _ReduceScatter = <ReduceScatter_t>_sym(b"ncclReduceScatter")
+            _missing("ncclReduceScatter")
         cdef ncclComm_t comm = self._live()
         cdef ncclResult_t st
         with nogil:
@@ -350,9 +451,8 @@ cdef class NcclCommunicator:
         _check(st, comm)
 
     def send(self, size_t buf, size_t count, int dtype, int peer, size_t stream):
-        global _Send
         if _Send == NULL:
-            _Send = <SendRecv_t>_sym(b"ncclSend")
+            _missing("ncclSend")
         cdef ncclComm_t comm = self._live()
         cdef ncclResult_t st
         with nogil:
@@ -360,9 +460,8 @@ cdef class NcclCommunicator:
         _check(st, comm)
 
     def recv(self, size_t buf, size_t count, int dtype, int peer, size_t stream):
-        global _Recv
         if _Recv == NULL:
-            _Recv = <SendRecv_t>_sym(b"ncclRecv")
+            _missing("ncclRecv")
         cdef ncclComm_t comm = self._live()
         cdef ncclResult_t st
         with nogil:

@@ -1,8 +1,9 @@
-"""Finds libnccl without importing CUDA (DESIGN.md section 3).
+"""Finds libnccl without importing CUDA.
 
 Search order: ``BAGUA_NCCL_LIBRARY``; a libnccl already mapped into this process (torch's
-own, for instance); the ``nvidia-nccl-cu12``/``cu13`` wheels; the system loader.  Nothing here
-runs at import time; the first call loads the library once, under a lock.
+own, for instance); the ``nvidia-nccl-cu12``/``cu13`` wheels (those built for torch's CUDA
+major version first); the system loader.  Nothing here runs at import time; the first call
+loads the library once, under a lock.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ _lock = threading.Lock()
 _loaded: tuple[str, object] | None = None
 _error: Exception | None = None
 
-INSTALL_HINT = "pip install 'bagua-comm[cu12]'  (or: pip install nvidia-nccl-cu12)"
+INSTALL_HINT = ("pip install 'bagua-comm[cu12]' (CUDA 12) or 'bagua-comm[cu13]' (CUDA 13)  "
+                "(or: pip install nvidia-nccl-cu12 / nvidia-nccl-cu13)")
+# Where the NVIDIA wheels put libnccl under a site-packages ``nvidia/`` directory:
+# nvidia-nccl-cu12 and nvidia-nccl-cu13 (2.2x-2.3x) both use nccl/lib/; the per-CUDA
+# cuXX/lib/ layout of the other CUDA 13 wheels is searched too.
+WHEEL_LAYOUTS = ("nccl/lib", "cu13/lib", "cu12/lib")
 
 
 def _mapped_in_process() -> str | None:
@@ -31,14 +37,45 @@ def _mapped_in_process() -> str | None:
     return None
 
 
-def _from_wheels() -> list[str]:
-    found = []
+def _torch_cuda_major() -> str | None:
+    """"12" or "13" for a CUDA build of torch (read from its version, without CUDA)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    cuda = getattr(getattr(torch, "version", None), "cuda", None)
+    return cuda.split(".")[0] if cuda else None
+
+
+def _wheel_flavour(nvidia_root: str, lib: str) -> str | None:
+    """Which CUDA the wheel that installed ``lib`` targets ("12", "13"), from its dist-info."""
+    rel = os.path.relpath(lib, nvidia_root)
+    if rel.startswith(("cu12/", "cu13/")):
+        return rel[2:4]
+    site = os.path.dirname(nvidia_root)
+    for major in ("13", "12"):
+        if glob.glob(os.path.join(site, f"nvidia_nccl_cu{major}-*.dist-info")):
+            return major
+    return None
+
+
+def _nvidia_roots() -> list[str]:
     spec = importlib.util.find_spec("nvidia")
-    roots = list(spec.submodule_search_locations or []) if spec else []
+    return list(spec.submodule_search_locations or []) if spec else []
+
+
+def _from_wheels(roots: list[str] | None = None, cuda_major: str | None = None) -> list[str]:
+    """libnccl files of the NVIDIA wheels under each ``nvidia/`` root (site-packages order),
+    those built for ``cuda_major`` (default: torch's CUDA) first."""
+    roots = _nvidia_roots() if roots is None else roots
+    cuda_major = _torch_cuda_major() if cuda_major is None else cuda_major
+    found = []
     for root in roots:
-        for pattern in ("nccl/lib/libnccl.so*", "cu13/lib/libnccl.so*", "cu12/lib/libnccl.so*"):
-            found += sorted(glob.glob(os.path.join(root, pattern)))
-    return found
+        for layout in WHEEL_LAYOUTS:
+            for lib in sorted(glob.glob(os.path.join(root, layout, "libnccl.so*"))):
+                found.append((_wheel_flavour(root, lib), lib))
+    if cuda_major:  # stable: site-packages order within each rank
+        found.sort(key=lambda item: 0 if item[0] == cuda_major else 1 if item[0] is None else 2)
+    return [lib for _flavour, lib in found]
 
 
 def candidates() -> list[tuple[str, str]]:
@@ -101,7 +138,5 @@ def nccl_version() -> tuple[int, int, int] | None:
     """(major, minor, patch) of the loadable libnccl, or None."""
     if not nccl_available():
         return None
-    code = load().get_version()
-    major, rest = divmod(code, 10000) if code >= 10000 else divmod(code, 1000)
-    minor, patch = divmod(rest, 100)
-    return major, minor, patch
+    nccl = load()
+    return nccl._decode_version(nccl.get_version())

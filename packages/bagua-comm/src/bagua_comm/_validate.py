@@ -16,6 +16,10 @@ from .process_group import ProcessGroup, get_default_group
 
 _NCCL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
                 torch.uint8, torch.int32, torch.int64)
+# What every backend carries (bool too on gloo, for model buffers: data movement only).
+_DTYPES = frozenset(_NCCL_DTYPES + (torch.bool,))
+_DTYPE_RULE = ("bagua_comm carries float32, float16, bfloat16, float64, int8, uint8, int32 and "
+               "int64 tensors")
 _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
@@ -23,6 +27,9 @@ def group(group) -> ProcessGroup:
     g = get_default_group() if group is None else group
     if not isinstance(g, ProcessGroup):
         raise ValueError(f"group must be a bagua_comm.ProcessGroup or None, got {type(g).__name__}")
+    if g._destroyed:
+        raise RuntimeError(f"group {g.ranks} was destroyed (group.destroy() or "
+                           "destroy_process_group()): make a new one with new_group()")
     if not g.is_member():
         raise ValueError(f"this rank is not a member of group {g.ranks}")
     return g
@@ -34,6 +41,9 @@ def tensor(name: str, t, g: ProcessGroup) -> None:
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"{name} has dtype {t.dtype}: {_DTYPE_RULE}; cast it first "
+                         "(e.g. .to(torch.int32) or .float())")
     if t.device.type == "cpu":
         return
     if t.device.type != "cuda":
@@ -114,9 +124,12 @@ def count(t, c, g: ProcessGroup) -> int:
 
 def counts_displs(name, counts, displs, buf, g: ProcessGroup) -> tuple[list[int], list[int]]:
     try:
-        counts, displs = [int(c) for c in counts], [int(d) for d in displs]
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{name}_counts and {name}_displs must be sequences of ints") from err
+        counts = [_int(c) for c in counts]
+        displs = [_int(d) for d in displs]
+    except TypeError as err:
+        raise ValueError(f"{name}_counts and {name}_displs must be sequences of ints (got "
+                         f"{counts!r} and {displs!r}); element counts are never fractional"
+                         ) from err
     if len(counts) != g.size or len(displs) != g.size:
         raise ValueError(f"{name}_counts and {name}_displs need one entry per rank ({g.size}), "
                          f"got {len(counts)} and {len(displs)}")
@@ -125,3 +138,17 @@ def counts_displs(name, counts, displs, buf, g: ProcessGroup) -> tuple[list[int]
             raise ValueError(f"{name}_counts/{name}_displs reach outside {name} "
                              f"(numel {buf.numel()}): count {c} at offset {d}")
     return counts, displs
+
+
+def _int(v) -> int:
+    if isinstance(v, bool):
+        raise TypeError("bool is not a count")
+    return operator.index(v)
+
+
+def self_count(send_counts, recv_counts, g: ProcessGroup) -> None:
+    me = g.rank
+    if send_counts[me] != recv_counts[me]:
+        raise ValueError(f"send_counts[{me}] ({send_counts[me]}) must equal recv_counts[{me}] "
+                         f"({recv_counts[me]}): what this rank sends itself is what it receives "
+                         "from itself")

@@ -18,11 +18,19 @@ with ``eps = 1e-7`` and every operation in float32::
 
 Each chunk is one record: ``[min, max]`` in the tensor's own dtype, zero-padded to 32 bytes,
 then the chunk's codes, zero-padded so the record is a multiple of 32 bytes.  ``-0`` is
-written as ``+0``.  NaN or infinite inputs give unspecified codes.
+written as ``+0``.
+
+Non-finite input never comes out finite: a chunk holding a NaN or an infinity (of either
+sign) is written as the header ``[NaN, NaN]`` with all codes 0, and decodes to NaN in every
+element of the chunk (CPU and CUDA kernels alike).  Through :func:`bagua_comm.
+compressed_allreduce` that NaN reaches every rank, so ``torch.isfinite`` checks and
+``GradScaler`` see the overflow; the chunk's other elements are lost for that call.  Input
+without NaN/inf is encoded exactly as the formula says.
 
 Error feedback (``error_feedback=True``) keeps, per ``key``, the residual ``x - x'`` of the
 last compression and adds it to the next input before compressing it (EF-SGD), so that the
-quantisation error is not lost but delayed.  The residuals are the compressor's state:
+quantisation error is not lost but delayed (a non-finite chunk's residual is reset to 0, so
+one overflowing step does not poison the next ones).  The residuals are the compressor's state:
 :meth:`~Compressor.state_dict` / :meth:`~Compressor.load_state_dict` checkpoint them.
 """
 
@@ -148,7 +156,11 @@ class MinMaxUInt8(Compressor):
         payload = _compress(corrected.to(tensor.dtype), chunks, out)
         decoded = torch.empty_like(corrected)
         _decompress(payload, decoded, chunks, tensor.dtype)
-        self._residuals[key] = corrected.sub_(decoded)
+        res = corrected.sub_(decoded)
+        bad = nonfinite_chunks(payload, chunks, tensor.dtype)
+        if bad.any():  # a NaN/inf chunk must not poison later steps through its residual
+            res.view(chunks, -1)[bad] = 0
+        self._residuals[key] = res
         return payload
 
     def decompress(self, payload: torch.Tensor, out: torch.Tensor, *,
@@ -208,6 +220,32 @@ class MinMaxUInt8(Compressor):
 
 
 # -- kernels ----------------------------------------------------------------------------------
+_CANONICAL_NAN = {torch.float32: (torch.int32, 0x7FC00000), torch.float16: (torch.int16, 0x7E00),
+                  torch.bfloat16: (torch.int16, 0x7FC0)}
+
+
+def header_bytes(mins: torch.Tensor, maxs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[min, max]`` headers (float32 in) as ``dtype`` bytes, one row per chunk.
+
+    A NaN (a non-finite chunk) is written as the dtype's canonical quiet NaN on every device
+    (torch's own float-to-16-bit conversions of NaN differ between CPU and CUDA).
+    """
+    pair = torch.stack([mins, maxs], dim=1)
+    bits_dtype, canonical = _CANONICAL_NAN[dtype]
+    bits = pair.to(dtype).view(bits_dtype)
+    bits = torch.where(pair.isnan(), torch.tensor(canonical, dtype=bits_dtype,
+                                                  device=bits.device), bits)
+    return bits.view(torch.uint8)
+
+
+def nonfinite_chunks(payload: torch.Tensor, chunks: int, dtype: torch.dtype) -> torch.Tensor:
+    """A bool tensor, True for each record of ``payload`` that encodes a chunk holding NaN
+    or an infinity (its header is NaN)."""
+    rows = payload.view(chunks, -1)
+    isz = torch.empty(0, dtype=dtype).element_size()
+    return rows[:, :isz].contiguous().view(dtype).view(-1).isnan()
+
+
 def _check_float(name, t):
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -245,7 +283,8 @@ def _gpu():
         import cupy  # noqa: F401
     except ImportError as err:
         raise RuntimeError("MinMaxUInt8 on CUDA tensors needs CuPy: "
-                           "pip install 'bagua-comm[cu12]'  (or: pip install cupy-cuda12x)"
+                           "pip install 'bagua-comm[cu12]' or 'bagua-comm[cu13]'  (or: pip install "
+                           "cupy-cuda12x / cupy-cuda13x)"
                            ) from err
     from . import _minmax_cupy
 
@@ -270,8 +309,7 @@ def _compress(flat, chunks, payload=None):
     kind, lut = _KINDS[flat.dtype], _lut(flat.dtype)
     _minmax.minmax(src, kind, lut, chunks, mins, maxs)
     _minmax.encode(src, kind, lut, chunks, mins, maxs, payload.numpy(), rec, HEADER_BYTES)
-    header = torch.from_numpy(np.stack([mins, maxs], axis=1)).to(flat.dtype)
-    rows[:, :2 * isz] = header.view(torch.uint8)
+    rows[:, :2 * isz] = header_bytes(torch.from_numpy(mins), torch.from_numpy(maxs), flat.dtype)
     rows[:, 2 * isz:HEADER_BYTES] = 0
     rows[:, HEADER_BYTES + m:] = 0
     return payload

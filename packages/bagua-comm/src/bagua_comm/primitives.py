@@ -3,7 +3,7 @@
 Every primitive validates its arguments before communicating (:mod:`._validate`), records
 the bytes it sends (:mod:`bagua_comm.traffic`), then runs on the tensors' device: CPU tensors
 through the group's torch.distributed gloo group, CUDA tensors (``nccl`` backend) through our
-NCCL binding (:mod:`._nccl_ops`).  With ``async_op=True`` it returns a
+NCCL binding (:mod:`._backends.nccl`).  With ``async_op=True`` it returns a
 :class:`~bagua_comm.work.Work`; otherwise it returns once the result is in place.
 """
 
@@ -25,9 +25,15 @@ _reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
 
 
 def _nccl():
-    from . import _nccl_ops
+    from ._backends import nccl as _nccl_ops
 
     return _nccl_ops
+
+
+def _data(t):
+    """``t`` without autograd: primitives write into parameters (and leaves that require
+    grad) like ``torch.no_grad()`` code does, never through autograd."""
+    return t.detach() if t is not None and t.requires_grad else t
 
 
 def _nbytes(t) -> int:
@@ -78,6 +84,7 @@ def recv(tensor, src, *, group=None, async_op=False):
     g = V.group(group)
     V.tensor("tensor", tensor, g)
     src = V.rank("src", src, g, not_self=True)
+    tensor = _data(tensor)
     if tensor.is_cuda:
         return _nccl().recv(tensor, src, g, async_op)
     return finish([dist.irecv(tensor, group=g.torch_group, group_src=src)], async_op=async_op)
@@ -89,6 +96,7 @@ def broadcast(tensor, src=0, *, group=None, async_op=False):
     g = V.group(group)
     V.tensor("tensor", tensor, g)
     src = V.rank("src", src, g)
+    tensor = _data(tensor)
     if g.rank == src:
         traffic.record("broadcast", _nbytes(tensor))
     if tensor.is_cuda:
@@ -117,11 +125,12 @@ def reduce(send, recv, dst, op=ReduceOp.SUM, *, group=None, async_op=False):
     else:
         V.tensor("send", send, g)
     op = V.op(op, send.dtype)
+    recv = _data(recv)
     if g.rank == dst:
         recv.copy_(send)
         buf = recv
     else:
-        buf = send.clone()
+        buf = _data(send).clone()
     return _reduce_inplace(buf, dst, op, g, async_op)
 
 
@@ -131,7 +140,7 @@ def reduce_inplace(tensor, dst, op=ReduceOp.SUM, *, group=None, async_op=False):
     V.tensor("tensor", tensor, g)
     dst = V.rank("dst", dst, g)
     op = V.op(op, tensor.dtype)
-    return _reduce_inplace(tensor, dst, op, g, async_op)
+    return _reduce_inplace(_data(tensor), dst, op, g, async_op)
 
 
 def _reduce_inplace(tensor, dst, op, g, async_op):
@@ -149,6 +158,7 @@ def allreduce(send, recv, op=ReduceOp.SUM, *, group=None, async_op=False):
     g = V.group(group)
     V.pair(send, recv, g)
     op = V.op(op, send.dtype)
+    recv = _data(recv)
     if send.is_cuda:
         traffic.record("allreduce", 2 * _nbytes(send) * (g.size - 1) / g.size)
         return _nccl().allreduce(send, recv, op, g, async_op)
@@ -162,6 +172,7 @@ def allreduce_inplace(tensor, op=ReduceOp.SUM, *, group=None, async_op=False):
     g = V.group(group)
     V.tensor("tensor", tensor, g)
     op = V.op(op, tensor.dtype)
+    tensor = _data(tensor)
     if tensor.is_cuda:
         traffic.record("allreduce", 2 * _nbytes(tensor) * (g.size - 1) / g.size)
         return _nccl().allreduce(tensor, tensor, op, g, async_op)
@@ -180,6 +191,7 @@ def allgather(send, recv, *, group=None, async_op=False):
     """``recv`` = every rank's ``send`` concatenated in rank order."""
     g = V.group(group)
     V.pair(send, recv, g, ratio_send=g.size)
+    recv = _data(recv)
     traffic.record("allgather", _nbytes(send) * (g.size - 1))
     if send.is_cuda:
         return _nccl().allgather(send, recv, g, async_op)
@@ -192,6 +204,7 @@ def allgather_inplace(tensor, *, group=None, async_op=False):
     g = V.group(group)
     V.tensor("tensor", tensor, g)
     V.divisible("tensor", tensor, g)
+    tensor = _data(tensor)
     mine = tensor.chunk(g.size)[g.rank].clone()
     return allgather(mine, tensor, group=g, async_op=async_op)
 
@@ -201,10 +214,12 @@ def gather(send, recv, dst, *, group=None, async_op=False):
     elsewhere)."""
     g = V.group(group)
     dst = V.rank("dst", dst, g)
-    if g.rank == dst:
+    if g.rank == dst or recv is not None:  # every rank checks what it was given
         V.pair(send, recv, g, ratio_send=g.size)
     else:
         V.tensor("send", send, g)
+    recv = _data(recv)
+    if g.rank != dst:
         traffic.record("gather", _nbytes(send))
     if send.is_cuda:
         return _nccl().gather(send, recv, dst, g, async_op)
@@ -219,6 +234,7 @@ def gather_inplace(tensor, count, dst, *, group=None, async_op=False):
     g = V.group(group)
     V.tensor("tensor", tensor, g)
     count = V.count(tensor, count, g)
+    tensor = _data(tensor)
     send_ = tensor[g.rank * count:(g.rank + 1) * count].clone()
     return gather(send_, tensor[:count * g.size], dst, group=g, async_op=async_op)
 
@@ -228,11 +244,13 @@ def scatter(send, recv, src, *, group=None, async_op=False):
     ``recv`` (``send`` may be None on other ranks)."""
     g = V.group(group)
     src = V.rank("src", src, g)
-    if g.rank == src:
+    if g.rank == src or send is not None:  # every rank checks what it was given
         V.pair(send, recv, g, ratio_recv=g.size)
-        traffic.record("scatter", _nbytes(send) * (g.size - 1) / g.size)
     else:
         V.tensor("recv", recv, g)
+    recv = _data(recv)
+    if g.rank == src:
+        traffic.record("scatter", _nbytes(send) * (g.size - 1) / g.size)
     if recv.is_cuda:
         return _nccl().scatter(send, recv, src, g, async_op)
     chunks = list(send.chunk(g.size)) if g.rank == src else None
@@ -245,6 +263,7 @@ def scatter_inplace(tensor, count, src, *, group=None, async_op=False):
     g = V.group(group)
     V.tensor("tensor", tensor, g)
     count = V.count(tensor, count, g)
+    tensor = _data(tensor)
     out = tensor[g.rank * count:(g.rank + 1) * count]
     send_ = tensor[:count * g.size].clone() if g.rank == src else None
     return scatter(send_, out, src, group=g, async_op=async_op)
@@ -256,6 +275,7 @@ def reduce_scatter(send, recv, op=ReduceOp.SUM, *, group=None, async_op=False):
     g = V.group(group)
     V.pair(send, recv, g, ratio_recv=g.size)
     op = V.op(op, send.dtype)
+    recv = _data(recv)
     traffic.record("reduce_scatter", _nbytes(send) * (g.size - 1) / g.size)
     if send.is_cuda:
         return _nccl().reduce_scatter(send, recv, op, g, async_op)
@@ -284,6 +304,7 @@ def reduce_scatter_inplace(tensor, op=ReduceOp.SUM, *, group=None, async_op=Fals
     g = V.group(group)
     V.tensor("tensor", tensor, g)
     V.divisible("tensor", tensor, g)
+    tensor = _data(tensor)
     out = tensor.chunk(g.size)[g.rank]
     return reduce_scatter(tensor.clone(), out, op, group=g, async_op=async_op)
 
@@ -293,6 +314,7 @@ def alltoall(send, recv, *, group=None, async_op=False):
     g = V.group(group)
     V.pair(send, recv, g)
     V.divisible("send", send, g)
+    recv = _data(recv)
     traffic.record("alltoall", _nbytes(send) * (g.size - 1) / g.size)
     if send.is_cuda:
         return _nccl().alltoall(send, recv, g, async_op)
@@ -305,6 +327,7 @@ def alltoall_inplace(tensor, *, group=None, async_op=False):
     g = V.group(group)
     V.tensor("tensor", tensor, g)
     V.divisible("tensor", tensor, g)
+    tensor = _data(tensor)
     return alltoall(tensor.clone(), tensor, group=g, async_op=async_op)
 
 
@@ -322,6 +345,8 @@ def alltoall_v(send, send_counts, send_displs, recv, recv_counts, recv_displs, *
                          f"{recv.device}")
     send_counts, send_displs = V.counts_displs("send", send_counts, send_displs, send, g)
     recv_counts, recv_displs = V.counts_displs("recv", recv_counts, recv_displs, recv, g)
+    V.self_count(send_counts, recv_counts, g)
+    recv = _data(recv)
     traffic.record("alltoall_v", (sum(send_counts) - send_counts[g.rank]) * send.element_size())
     if send.is_cuda:
         return _nccl().alltoall_v(send, send_counts, send_displs, recv, recv_counts,

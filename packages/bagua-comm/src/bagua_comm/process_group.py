@@ -42,6 +42,7 @@ class ProcessGroup:
         self._executor: ThreadPoolExecutor | None = None
         self._nccl_stream = None
         self._scratch: dict = {}  # reusable buffers of the worker thread (compressed_allreduce)
+        self._destroyed = False
         self._id = len(_state.groups)  # same on every rank: groups are created collectively
         _state.groups.append(self)
 
@@ -151,6 +152,26 @@ class ProcessGroup:
                 self._executor.shutdown(wait=True)
                 self._executor = None
 
+    def destroy(self) -> None:
+        """Release this group (its worker thread, NCCL communicator and torch groups); any
+        later call with it raises.  Not collective.  The default group is released by
+        :func:`destroy_process_group` instead."""
+        if self is _state.default:
+            raise ValueError("the default group is destroyed by destroy_process_group()")
+        self._release()
+        for tg in {id(self.torch_group): self.torch_group,
+                   id(self.aux_torch_group): self.aux_torch_group}.values():
+            if self.is_member() and tg is not dist.group.WORLD:
+                try:
+                    dist.destroy_process_group(tg)
+                except (RuntimeError, ValueError, KeyError):
+                    pass  # torch already released it
+
+    def _release(self) -> None:
+        self._destroyed = True
+        self._shutdown()
+        self._destroy_nccl()
+
     def __repr__(self) -> str:
         return f"ProcessGroup(ranks={self.ranks}, backend={self.backend!r})"
 
@@ -163,16 +184,31 @@ class _State:
         self.owns_torch_pg = False
         self.groups: list[ProcessGroup] = []
         self.cuda_device: int | None = None
+        self.timeout = timedelta(minutes=30)  # every group we create gets the job's timeout
         self.generation = getattr(self, "generation", 0)
 
 
 _state = _State()
 
 
+def _gloo_group(ranks):
+    """A torch gloo group of ``ranks`` (collective over the world) with the job's timeout."""
+    return dist.new_group(ranks=list(ranks), backend="gloo", timeout=_state.timeout,
+                          use_local_synchronization=False)
+
+
 def _new_subgroup(ranks, backend, local_world_size) -> ProcessGroup:
-    tg = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=False)
-    aux = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=False)
+    tg = _gloo_group(ranks)
+    aux = _gloo_group(ranks)
     return ProcessGroup(list(ranks), tg, backend, local_world_size, aux)
+
+
+def _torch_timeout(default: timedelta) -> timedelta:
+    """The timeout of torch's already initialised default group (``default`` if unknown)."""
+    try:
+        return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return default
 
 
 def _nccl_unavailable() -> str | None:
@@ -215,49 +251,83 @@ def _resolve_backend(backend: str) -> str:
     return "gloo"
 
 
+_DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
 def init_process_group(backend: str = "auto", *, store=None, rank=None, world_size=None,
-                       local_world_size=None, timeout=timedelta(minutes=30)) -> None:
-    """Join the job: from torchrun's environment, or from an explicit store/rank/world size."""
+                       local_world_size=None, timeout=_DEFAULT_TIMEOUT) -> None:
+    """Join the job: from torchrun's environment, or from an explicit store/rank/world size.
+
+    If ``torch.distributed`` is already initialised (``torch.distributed.init_process_group``
+    was called first), bagua_comm adopts its default group: its rank, world size and timeout
+    (unless ``timeout`` is given), and with ``backend="auto"`` its backend (``nccl`` when
+    torch's group has NCCL and bagua's NCCL backend can be used, else ``gloo``).
+
+    ``timeout`` bounds every collective of every group bagua_comm creates (the default
+    group, :func:`new_group`, the intra-/inter-node groups and the internal ones behind
+    :func:`compressed_allreduce`): a peer that stops answering makes the others raise after
+    about ``timeout`` instead of hanging.
+    """
     if _state.default is not None:
         raise RuntimeError("bagua_comm.init_process_group was already called in this process; "
                            "call destroy_process_group() first")
+    if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+        raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+    adopt = dist.is_initialized()
+    if adopt and backend == "auto" and not os.environ.get("BAGUA_COMM_BACKEND"):
+        backend = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
+        if backend == "nccl" and _nccl_unavailable() is not None:
+            backend = "gloo"
     backend = _resolve_backend(backend)
     if store is not None and (rank is None or world_size is None):
         raise ValueError("with store=..., pass rank= and world_size= too")
+    if adopt:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
     rank = int(os.environ["RANK"]) if rank is None and "RANK" in os.environ else rank
     world_size = (int(os.environ["WORLD_SIZE"]) if world_size is None and "WORLD_SIZE" in os.environ
                   else world_size)
-    if (rank is None or world_size is None) and store is None and not dist.is_initialized():
-        raise RuntimeError("cannot find rank/world size: launch with torchrun or pass "
-                           "store=, rank= and world_size=")
-    if world_size is not None and world_size < 1:
+    if (rank is None or world_size is None) and store is None:
+        raise RuntimeError("cannot find rank/world size: launch with torchrun, pass "
+                           "store=, rank= and world_size=, or call "
+                           "torch.distributed.init_process_group() first")
+    if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if rank is not None and world_size is not None and not 0 <= rank < world_size:
+    if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     if local_world_size is None:
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size or 1))
-    if local_world_size < 1 or (world_size and world_size % local_world_size):
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if local_world_size < 1 or world_size % local_world_size:
         raise ValueError(f"local_world_size must divide world_size={world_size}, "
                          f"got {local_world_size}")
-    if not dist.is_initialized():
-        kw = {"timeout": timeout}
+    if adopt:
+        if timeout == _DEFAULT_TIMEOUT:
+            timeout = _torch_timeout(timeout)
+    else:
+        kw = {"timeout": timeout, "rank": rank, "world_size": world_size}
         if store is not None:
-            kw.update(store=store, rank=rank, world_size=world_size)
-        elif rank is not None:
-            kw.update(rank=rank, world_size=world_size)
+            kw["store"] = store
         dist.init_process_group("gloo", **kw)
         _state.owns_torch_pg = True
-    world_size = dist.get_world_size()
     if backend == "nccl":
-        local_rank = dist.get_rank() % local_world_size
+        local_rank = rank % local_world_size
         _state.cuda_device = local_rank % torch.cuda.device_count()
         torch.cuda.set_device(_state.cuda_device)
     _state.generation += 1
     _state.backend = backend
     _state.local_world_size = local_world_size
-    aux = dist.new_group(ranks=list(range(world_size)), backend="gloo")
-    _state.default = ProcessGroup(list(range(world_size)), dist.group.WORLD, backend,
-                                  local_world_size, aux)
+    _state.timeout = timeout
+    ranks = list(range(world_size))
+    # torch's default group carries CPU tensors only if it has gloo (a user's NCCL-only
+    # group does not): then the default group gets a gloo group of its own.
+    world = dist.group.WORLD if not adopt or _has_gloo() else _gloo_group(ranks)
+    _state.default = ProcessGroup(ranks, world, backend, local_world_size, _gloo_group(ranks))
+
+
+def _has_gloo() -> bool:
+    try:
+        return "gloo" in str(dist.get_backend_config())
+    except (AttributeError, RuntimeError):
+        return "gloo" in str(dist.get_backend())
 
 
 def is_initialized() -> bool:
@@ -268,8 +338,7 @@ def destroy_process_group() -> None:
     if _state.default is None:
         return
     for g in _state.groups:
-        g._shutdown()
-        g._destroy_nccl()
+        g._release()
     if _state.owns_torch_pg and dist.is_initialized():
         dist.destroy_process_group()
     _state.__init__()

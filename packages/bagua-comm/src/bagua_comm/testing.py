@@ -24,7 +24,7 @@ class RankFailure(AssertionError):
 
 
 def _child(rank, world_size, local_world_size, store_path, backend, init, threads, env,
-           fn, args, kwargs, conn):
+           fn, args, kwargs, conn, pg_timeout=120.0):
     try:
         os.environ.update(env)
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
@@ -44,7 +44,7 @@ def _child(rank, world_size, local_world_size, store_path, backend, init, thread
             process_group.init_process_group(backend, store=store, rank=rank,
                                              world_size=world_size,
                                              local_world_size=local_world_size,
-                                             timeout=timedelta(seconds=120))
+                                             timeout=timedelta(seconds=pg_timeout))
         result = fn(*args, **kwargs)
         try:
             conn.send(("ok", rank, pickle.dumps(result)))
@@ -62,13 +62,15 @@ def _child(rank, world_size, local_world_size, store_path, backend, init, thread
 
 def run_ranks(fn, world_size: int = 2, *, args=(), kwargs=None, timeout: float = 120.0,
               local_world_size: int | None = None, backend: str = "gloo", init: bool = True,
-              threads: int | None = 1, env: dict[str, str] | None = None) -> list:
+              threads: int | None = 1, env: dict[str, str] | None = None,
+              pg_timeout: float = 120.0) -> list:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return results by rank.
 
     ``fn`` must be importable by module name (a module-level function).  ``local_world_size``
     ranks share a node (default: all), so ``world_size=4, local_world_size=2`` emulates two
     nodes of two.  ``threads`` sets torch's intra-op threads per rank (1 keeps 2 ranks on 2
-    cores from oversubscribing).
+    cores from oversubscribing).  ``pg_timeout`` (seconds) is the ``timeout`` given to
+    ``init_process_group`` in each rank.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -85,7 +87,8 @@ def run_ranks(fn, world_size: int = 2, *, args=(), kwargs=None, timeout: float =
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"rank{rank}", daemon=True,
                             args=(rank, world_size, local_world_size, store_path, backend, init,
-                                  threads, env, fn, tuple(args), dict(kwargs or {}), child_end))
+                                  threads, env, fn, tuple(args), dict(kwargs or {}), child_end,
+                                  pg_timeout))
             p.start()
             child_end.close()
             procs.append(p)

@@ -40,6 +40,8 @@ class Fuser:
         self.layouts: list[GroupLayout] = []
         self.verdicts: dict[tuple, str | None] = {}
         self.warned = False
+        # state key -> TENSOR or SCALAR, learned from probes and stand-ins (_segments.py)
+        self.kinds: dict = {}
 
     # -- layout ---------------------------------------------------------------------------
     def sync_layouts(self, opt: torch.optim.Optimizer) -> None:
@@ -89,7 +91,7 @@ class Fuser:
                 for p, _ in hidden:
                     p.grad = None
                 try:
-                    why = probe(opt, group, dtype, device, self.inner_step)
+                    why = probe(opt, group, dtype, device, self.inner_step, self.kinds)
                 finally:
                     for p, g in hidden:
                         p.grad = g
@@ -149,7 +151,7 @@ class Fuser:
                 if before != list(map(operator.is_, run.grad_views, repeat(None))):
                     run.segments = None
             if run.segments is None:
-                run.segments = build_segments(run, opt.state)
+                run.segments = build_segments(run, opt.state, self.kinds)
             run_segs, single = run.segments
             segs += run_segs
             params += [s.standin for s in run_segs]

@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from ._segments import SCALAR, TENSOR
+
 _SHAPES = ((3, 5), (7,), (2, 3, 2), (1,))
 _STEPS = 3
 
@@ -47,8 +49,12 @@ def _state_equal(fused: dict, singles: list[dict], shapes) -> str | None:
 
 
 def probe(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
-          device: torch.device, step: Callable) -> str | None:
-    """Why ``group``'s update is not elementwise for ``dtype``/``device``; None if it is."""
+          device: torch.device, step: Callable, kinds: dict | None = None) -> str | None:
+    """Why ``group``'s update is not elementwise for ``dtype``/``device``; None if it is.
+
+    When it is, ``kinds`` (if given) learns which state keys are parameter-shaped (``TENSOR``)
+    and which are per-parameter scalars (``SCALAR``), from the flat probe parameter's state.
+    """
     if isinstance(optimizer, _known_not_elementwise()):
         return f"{type(optimizer).__name__} is not elementwise"
     gen = torch.Generator().manual_seed(0x6A6)
@@ -94,4 +100,8 @@ def probe(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
         return f"its step failed on a probe ({type(err).__name__}: {err})"
     if torch.equal(flat.detach(), torch.cat([x.reshape(-1) for x in init])):
         return "its step did not change the probe parameters, so it could not be verified"
+    if kinds is not None:
+        for key, v in b.state[flat].items():
+            if isinstance(v, torch.Tensor):
+                kinds[key] = TENSOR if v.dim() > 0 else SCALAR
     return None

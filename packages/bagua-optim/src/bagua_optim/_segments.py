@@ -9,6 +9,11 @@ flat tensors, 0-dim entries (``step``) are elements of a small per-segment buffe
 the stand-in's scalar after each step, other values are copied after each step.
 
 The members' state is the truth: a segment is rebuilt from it whenever the layout changes.
+For a 0-dim parameter (a learnable scale or temperature) its own state cannot tell a
+parameter-shaped entry (``exp_avg``, shape ``()``) from a counter (``step``, shape ``()``): the
+*kinds* map, learned from the probe and from every stand-in's state (stand-ins are 1-D, so
+there the two differ), says which is which; a 0-dim member with an entry of unknown kind is
+stepped on its own.
 """
 
 from __future__ import annotations
@@ -27,12 +32,28 @@ class NotElementwiseError(RuntimeError):
     """The optimizer created state that is neither parameter-shaped nor a scalar."""
 
 
-def _signature(state: dict, p: torch.Tensor):
+# kinds of state entries: parameter-shaped tensors and per-parameter scalars (counters)
+TENSOR, SCALAR = "t", "s"
+
+
+def _kind(key, v: torch.Tensor, p: torch.Tensor, kinds: dict) -> str | None:
+    """Whether ``v = state[p][key]`` is parameter-shaped or a scalar; None if unknowable."""
+    if v.dim() > 0:
+        return TENSOR
+    if p.dim() > 0:
+        return SCALAR
+    return kinds.get(key)        # 0-dim parameter: both look alike, ask what was learned
+
+
+def _signature(state: dict, p: torch.Tensor, kinds: dict):
     """What must agree for members to share a stand-in; None when ``p`` cannot be fused."""
     sig = []
     for k, v in state.items():
         if isinstance(v, torch.Tensor):
-            if v.dim() == 0:
+            kind = _kind(k, v, p, kinds)
+            if kind is None:
+                return None
+            if kind == SCALAR:
                 sig.append((k, "s", v.dtype, v.device, v.item()))
             elif v.shape == p.shape and v.layout == torch.strided:
                 sig.append((k, "t", v.dtype, v.device))
@@ -51,6 +72,7 @@ class Segment:
     """One stand-in parameter over consecutive members of a run, and its fused state."""
 
     __slots__ = (
+        "kinds",
         "members",
         "numels",
         "offsets",
@@ -63,7 +85,7 @@ class Segment:
         "tensors",
     )
 
-    def __init__(self, run: Run, lo: int, hi: int, opt_state):
+    def __init__(self, run: Run, lo: int, hi: int, opt_state, kinds: dict):
         a = run.offsets[lo]
         b = run.offsets[hi - 1] + run.numels[hi - 1]
         self.members = run.params[lo:hi]
@@ -72,6 +94,7 @@ class Segment:
         self.standin = torch.nn.Parameter(run.flat[a:b], requires_grad=True)
         self.standin.grad = run.flat_grad[a:b]
         self.opt_state = opt_state
+        self.kinds = kinds
         # no entry in optimizer.state until the optimizer creates some (as unfused)
         self.states = [opt_state.get(p, {}) for p in self.members]
         self.state: dict[Any, Any] = {}
@@ -80,7 +103,8 @@ class Segment:
         self.others: dict[Any, Any] = {}
         first = self.states[0]
         for key, v in first.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
+            if (isinstance(v, torch.Tensor)
+                    and _kind(key, v, self.members[0], kinds) == TENSOR):
                 self.state[key] = torch.cat([st[key].reshape(-1) for st in self.states])
             elif isinstance(v, torch.Tensor):
                 self.state[key] = v.clone()
@@ -96,12 +120,14 @@ class Segment:
                 f"parameter's {tuple(self.standin.shape)} or a scalar: this optimizer is not "
                 "elementwise; do not wrap it with fuse_optimizer")
         self.tensors[key] = flat
+        self.kinds[key] = TENSOR
         for st, p, o, n in zip(self.states, self.members, self.offsets, self.numels):
             st[key] = flat[o:o + n].view(p.shape)
 
     def _scalar(self, key, v: torch.Tensor) -> None:
         buf = v.detach().reshape(1).repeat(len(self.members))
         self.scalars[key] = buf
+        self.kinds[key] = SCALAR
         for i, st in enumerate(self.states):
             st[key] = buf[i]
 
@@ -147,8 +173,12 @@ class Segment:
                 self._other(key, v)
 
 
-def build_segments(run: Run, opt_state) -> tuple[list[Segment], list[torch.Tensor]]:
-    """Split ``run`` into segments; returns them and the members to step one by one."""
+def build_segments(run: Run, opt_state,
+                   kinds: dict) -> tuple[list[Segment], list[torch.Tensor]]:
+    """Split ``run`` into segments; returns them and the members to step one by one.
+
+    ``kinds`` maps state keys to ``TENSOR`` or ``SCALAR`` (see the module docstring).
+    """
     segments: list[Segment] = []
     single: list[torch.Tensor] = []
     lo = None
@@ -158,7 +188,7 @@ def build_segments(run: Run, opt_state) -> tuple[list[Segment], list[torch.Tenso
     def close(hi):
         nonlocal lo
         if lo is not None:
-            segments.append(Segment(run, lo, hi, opt_state))
+            segments.append(Segment(run, lo, hi, opt_state, kinds))
         lo = None
 
     for i, p in enumerate(run.params):
@@ -166,7 +196,7 @@ def build_segments(run: Run, opt_state) -> tuple[list[Segment], list[torch.Tenso
             close(i)
             single.append(p)            # no gradient: the optimizer sees it as it is
             continue
-        sig = _signature(opt_state[p], p) if p in opt_state else ()
+        sig = _signature(opt_state[p], p, kinds) if p in opt_state else ()
         if sig is None:
             close(i)
             single.append(p)

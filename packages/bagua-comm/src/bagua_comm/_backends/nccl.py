@@ -11,10 +11,12 @@ stream so torch's allocator keeps them alive until it is done.
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
-from .ops import ReduceOp, reduce_rows
-from .work import finish
+from ..ops import ReduceOp, reduce_rows
+from ..work import finish
 
 NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
                torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
@@ -41,15 +43,81 @@ def nccl_dtype(t: torch.Tensor) -> int:
 class _CudaEvent:
     """A backend handle over a CuPy event recorded on the communication stream."""
 
-    def __init__(self, event):
+    __slots__ = ("_event", "_state")
+
+    def __init__(self, event, state):
         self._event = event
+        self._state = state
 
     def wait(self):
-        cp = _cupy()
-        cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream).wait_event(self._event)
+        self._state.watch.check()   # the watchdog aborted this group: raise, do not wait
+        self._state.caller(torch.cuda.current_stream().cuda_stream)[0].wait_event(self._event)
 
     def is_completed(self):
         return self._event.done
+
+
+class _GroupState:
+    """What every call on one group reuses: its CuPy and torch views of the communication
+    stream, one (CuPy stream, "inputs ready" event) pair per caller stream, a free list of
+    completion events (refilled by the watchdog as operations finish), scratch buffers, and
+    the watchdog's record of the communicator.  Stored on the group; built at its first call.
+    """
+
+    def __init__(self, g, comm):
+        from .. import _nccl_watchdog
+
+        self.comm = comm
+        self.stream = g.nccl_stream()
+        self.torch_stream = torch.cuda.ExternalStream(self.stream.ptr)
+        self._callers: dict = {}
+        self.free_events: collections.deque = collections.deque()
+        self.scratch: dict = {}
+        self.watch = _nccl_watchdog.watch(comm, repr(g), _timeout_seconds(), g.cuda_device())
+
+    @classmethod
+    def of(cls, g):
+        comm = g.nccl_comm()
+        st = g.__dict__.get("_nccl_state")
+        if st is None or st.comm is not comm:
+            st = g.__dict__["_nccl_state"] = cls(g, comm)
+        return st
+
+    def caller(self, ptr: int):
+        """(CuPy view of the caller's stream ``ptr``, its reusable "inputs ready" event).
+
+        Reusing the event is safe: ``cudaStreamWaitEvent`` waits for the record made before
+        it, and a later record on the same stream only covers more work."""
+        got = self._callers.get(ptr)
+        if got is None:
+            cp = _cupy()
+            got = self._callers[ptr] = (cp.cuda.ExternalStream(ptr),
+                                        cp.cuda.Event(disable_timing=True))
+        return got
+
+    def event(self):
+        try:
+            return self.free_events.pop()
+        except IndexError:
+            return _cupy().cuda.Event(disable_timing=True)
+
+    def recycle(self, handle):
+        self.free_events.append(handle._event)
+
+    def buffer(self, name, numel, dtype, device):
+        """A scratch tensor reused across calls: only this group's stream touches it, in
+        order, so the next call's use waits for this one's on the GPU."""
+        t = self.scratch.get(name)
+        if t is None or t.numel() != numel or t.dtype != dtype or t.device != device:
+            t = self.scratch[name] = torch.empty(numel, dtype=dtype, device=device)
+        return t
+
+
+def _timeout_seconds() -> float:
+    from ..process_group import _state
+
+    timeout = getattr(_state, "timeout", None)
+    return timeout.total_seconds() if timeout is not None else 1800.0
 
 
 class _Launch:
@@ -57,10 +125,12 @@ class _Launch:
 
     def __init__(self, g, *tensors):
         self.g = g
-        self.comm = g.nccl_comm()
-        self.stream = g.nccl_stream()
+        self.state = st = _GroupState.of(g)
+        st.watch.check()            # an earlier failure on this group: raise before launching
+        self.comm = st.comm
+        self.stream = st.stream
         self.tensors = [t for t in tensors if t is not None]
-        self._torch_stream = torch.cuda.ExternalStream(self.stream.ptr)
+        self._torch_stream = st.torch_stream
         self._ctx = None
 
     @property
@@ -68,9 +138,8 @@ class _Launch:
         return self.stream.ptr
 
     def __enter__(self):
-        cp = _cupy()
-        ready = cp.cuda.Event(disable_timing=True)
-        ready.record(cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream))
+        caller, ready = self.state.caller(torch.cuda.current_stream().cuda_stream)
+        ready.record(caller)
         self.stream.wait_event(ready)
         # Local torch/CuPy work inside the block also goes to the communication stream.
         self._ctx = (torch.cuda.stream(self._torch_stream), self.stream)
@@ -87,15 +156,20 @@ class _Launch:
         self.tensors += [t for t in tensors if t is not None]
 
     def done(self, async_op):
+        st = self.state
         for t in self.tensors:
             t.record_stream(self._torch_stream)
-        event = _cupy().cuda.Event(disable_timing=True)
+        event = st.event()
         event.record(self.stream)
-        return finish([_CudaEvent(event)], async_op=async_op)
+        handle = _CudaEvent(event, st)
+        # Synchronous calls are waited for now, so their event goes back to the free list once
+        # the watchdog sees it complete; an async handle keeps its own.
+        st.watch.track(handle, on_done=None if async_op else st.recycle)
+        return finish([handle], async_op=async_op)
 
 
 def _grouped(comm, fn):
-    from ._nccl_loader import load
+    from .._nccl_loader import load
 
     nccl = load()
     nccl.group_start()
@@ -239,23 +313,32 @@ def compressed_allreduce(send_, recv_, op, compressor, k, seg, key, g, async_op)
     padded = seg * n
     numel = send_.numel()
     with _Launch(g, send_, recv_) as L:
+        buf = L.state.buffer
+        dev = send_.device
         x = send_.detach().view(-1)
         if padded != numel:
-            x = torch.cat([x, x.new_zeros(padded - numel)])
-        payload = compressor.compress(x, chunks=chunks, key=f"{key}/scatter")
-        received = torch.empty_like(payload)
+            xp = buf("input", padded, send_.dtype, dev)
+            xp[:numel].copy_(x)
+            xp[numel:].zero_()
+            x = xp
+        payload = compressor.compress(x, chunks=chunks, key=f"{key}/scatter",
+                                      out=buf("payload", compressor.payload_numel(
+                                          padded, chunks=chunks), torch.uint8, dev))
+        received = buf("received", payload.numel(), torch.uint8, dev)
         p, q = payload.chunk(n), received.chunk(n)
         _p2p(L, [(j, p[j]) for j in range(n)], [(j, q[j]) for j in range(n)])
-        parts = torch.empty(padded, dtype=torch.float32, device=x.device)
+        parts = buf("parts", padded, torch.float32, dev)
         compressor.decompress(received, parts, chunks=chunks, dtype=send_.dtype)
         mine = reduce_rows(parts.view(n, seg), op)
-        own = compressor.compress(mine.to(send_.dtype), chunks=k, key=f"{key}/gather")
-        gathered = torch.empty(n * own.numel(), dtype=torch.uint8, device=x.device)
+        own = compressor.compress(mine.to(send_.dtype), chunks=k, key=f"{key}/gather",
+                                  out=buf("own", compressor.payload_numel(seg, chunks=k),
+                                          torch.uint8, dev))
+        gathered = buf("gathered", n * own.numel(), torch.uint8, dev)
         L.comm.allgather(own.data_ptr(), gathered.data_ptr(), own.numel(), NCCL_DTYPES[torch.uint8],
                          L.ptr)
         out = recv_.detach().view(-1)
         if padded != numel:
-            full = torch.empty(padded, dtype=recv_.dtype, device=x.device)
+            full = buf("output", padded, recv_.dtype, dev)
             compressor.decompress(gathered, full, chunks=chunks)
             out.copy_(full[:numel])
         else:

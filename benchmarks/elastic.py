@@ -1,0 +1,276 @@
+#!/usr/bin/env python3
+"""Elastic training on the testbed: lose a host, keep training, take it back.
+
+Three emulated hosts (network namespaces, see ``testbed/``) run ``examples/elastic.py`` under
+``torchrun --nnodes=2:3 --max-restarts=N`` with c10d rendezvous at host 0. Mid-run, host 2 is
+lost: its link goes down (its peers see silence, not a closed connection) and every process on
+it is killed. The survivors' collectives fail after the process group's ``--timeout``; they
+exit non-zero, torchrun restarts them on the 2 hosts left, and they resume from the last
+checkpoint rank 0 wrote. Later host 2 comes back (link up, torchrun started again): torchrun
+sees a node waiting, restarts the job at 3, which resumes from the last checkpoint again.
+
+Reported (table, ``result.json``, ``elastic.png``): time to detect (kill to the survivors'
+error), time to resume (kill to the first step at the new world size), time to grow back,
+steps lost (done after the checkpoint that was resumed from), samples of each completed epoch
+missed or seen twice, and the loss curve across the events.
+
+    sudo python benchmarks/elastic.py            # ~2 minutes
+    sudo python benchmarks/elastic.py --quick    # ~1 minute (what tests/test_elastic.py runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from testbed import Testbed, testbed_available  # noqa: E402
+
+EXAMPLE = HERE.parent / "examples" / "elastic.py"
+N_HOSTS, LOST = 3, 2
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps (CI)")
+    ap.add_argument("--algorithm", default="gradient_allreduce")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="process group timeout in seconds (default 10; quick 5)")
+    ap.add_argument("--mbit", type=float, default=None, help="link rate (default unshaped)")
+    ap.add_argument("--out", default="out/elastic")
+    ap.add_argument("--name", default="el", help="testbed name")
+    args = ap.parse_args(argv)
+    q = args.quick
+    args.timeout = args.timeout or (5.0 if q else 10.0)
+    args.samples = 3072 if q else 8192          # 32 steps per epoch at 3 ranks (quick)
+    args.every = 8 if q else 20                  # checkpoint interval (steps)
+    args.kill_at = 30 if q else 90               # lose host 2 after this step (world 3)
+    args.grow_after = 12 if q else 40            # bring it back after this many steps at 2
+    args.steps = 90 if q else 300
+    args.sleep = 0.05
+    return args
+
+
+def read_events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written right now
+    return out
+
+
+def wait_for(pred, path: Path, limit: float, what: str, procs) -> list[dict]:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        ev = read_events(path)
+        if pred(ev):
+            return ev
+        if all(p.poll() is not None for p in procs):
+            raise RuntimeError(f"every torchrun exited while waiting for {what}")
+        time.sleep(0.2)
+    raise TimeoutError(f"gave up after {limit:.0f}s waiting for {what}")
+
+
+def launch(tb: Testbed, i: int, args, outdir: Path) -> subprocess.Popen:
+    worker = [EXAMPLE, "--algorithm", args.algorithm, "--steps", args.steps,
+              "--checkpoint-dir", outdir / "ckpt", "--checkpoint-every", args.every,
+              "--samples", args.samples, "--timeout", args.timeout,
+              "--step-sleep", args.sleep, "--events", outdir / "events.jsonl"]
+    argv = tb.torchrun_argv(i, worker, nnodes=f"2:{N_HOSTS}", rdzv_id="elastic",
+                            rdzv_conf="last_call_timeout=2,join_timeout=120",
+                            extra=["--max-restarts", "5", "--monitor-interval", "0.5"])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log = open(outdir / f"host{i}.log", "a")  # noqa: SIM115 (lives as long as the process)
+    return tb.popen(i, argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                    start_new_session=True)
+
+
+def starts(ev, world, after=0.0):
+    return [e for e in ev if e["event"] == "start" and e["world"] == world and e["t"] > after]
+
+
+def steps_at(ev, world, after=0.0):
+    return [e for e in ev if e["event"] == "step" and e["world"] == world and e["t"] > after]
+
+
+def run_scenario(args) -> dict:
+    outdir = Path(args.out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    for old in ("events.jsonl", *(f"host{i}.log" for i in range(N_HOSTS))):
+        (outdir / old).unlink(missing_ok=True)
+    for old in (outdir / "ckpt").glob("*"):
+        old.unlink()
+    events = outdir / "events.jsonl"
+    marks: dict[str, float] = {}
+    with Testbed(n_hosts=N_HOSTS, bandwidth_mbit=args.mbit, name=args.name) as tb:
+        procs = [launch(tb, i, args, outdir) for i in range(N_HOSTS)]
+        t0 = time.time()
+        wait_for(lambda ev: any(e["step"] >= args.kill_at for e in steps_at(ev, 3)), events,
+                 180, f"step {args.kill_at} at 3 hosts", procs)
+        tb.set_link(LOST, False)
+        marks["kill"] = time.time()
+        tb.kill_host(LOST)
+        procs[LOST].wait(timeout=30)
+        ev = wait_for(lambda ev: len(steps_at(ev, 2, marks["kill"])) >= args.grow_after,
+                      events, 120 + 4 * args.timeout, "training to resume at 2 hosts", procs)
+        tb.set_link(LOST, True)
+        marks["rejoin"] = time.time()
+        procs[LOST] = launch(tb, LOST, args, outdir)
+        wait_for(lambda ev: any(e["event"] == "done" for e in ev), events, 300,
+                 "the job to finish", procs)
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        marks["end"] = time.time()
+    ev = read_events(events)
+    return analyse(ev, marks, t0, args)
+
+
+def committed_steps(ev: list[dict]) -> list[dict]:
+    """Step records that count: each launch's steps up to the checkpoint the next launch
+    resumed from (later ones were redone), keyed by (launch start time)."""
+    launches = sorted({(e["restart"], e["world"]) for e in ev if e["event"] == "start"},
+                      key=lambda k: min(e["t"] for e in ev if e["event"] == "start"
+                                        and (e["restart"], e["world"]) == k))
+    keep = []
+    for n, key in enumerate(launches):
+        mine = [e for e in ev if e["event"] == "step" and (e["restart"], e["world"]) == key]
+        if n + 1 < len(launches):
+            nxt = launches[n + 1]
+            resumed = min(e["step"] for e in ev if e["event"] == "start"
+                          and (e["restart"], e["world"]) == nxt)
+            mine = [e for e in mine if e["step"] <= resumed]
+        keep += mine
+    return keep
+
+
+def sample_accounting(ev: list[dict], samples: int) -> dict:
+    """Per completed epoch: samples never seen, and samples seen more than once beyond the
+    padding a DistributedSampler adds (fewer than world-size per epoch)."""
+    by_epoch: dict[int, Counter] = {}
+    for e in committed_steps(ev):
+        by_epoch.setdefault(e["epoch"], Counter()).update(e["samples"])
+    last = max(by_epoch) if by_epoch else -1
+    missing = extra = 0
+    for epoch, seen in by_epoch.items():
+        if epoch == last:
+            continue  # the job stopped inside it
+        missing += sum(1 for i in range(samples) if seen[i] == 0)
+        extra += max(0, sum(seen.values()) - samples - (N_HOSTS - 1))
+    return {"epochs_checked": max(0, len(by_epoch) - 1), "missing": missing, "extra": extra}
+
+
+def analyse(ev: list[dict], marks: dict, t0: float, args) -> dict:
+    kill, rejoin = marks["kill"], marks["rejoin"]
+    errors = [e for e in ev if e["event"] == "error" and e["t"] > kill]
+    at2 = steps_at(ev, 2, kill)
+    start2 = starts(ev, 2, kill)
+    start3 = starts(ev, 3, rejoin)
+    at3 = steps_at(ev, 3, rejoin)
+    before = [e for e in ev if e["event"] == "step" and e["t"] <= kill and e["rank"] == 0]
+    last_step = max(e["step"] for e in before)
+    resumed_from = min(e["step"] for e in start2) if start2 else None
+    ck_losses = [e["loss"] for e in before if resumed_from and
+                 resumed_from - 5 < e["step"] <= resumed_from]
+    after_losses = [e["loss"] for e in at2 if e["rank"] == 0][:5]
+    result = {
+        "config": {"algorithm": args.algorithm, "timeout_s": args.timeout, "hosts": N_HOSTS,
+                   "min_hosts": 2, "checkpoint_every": args.every, "quick": args.quick,
+                   "mbit": args.mbit, "steps": args.steps},
+        "detect_s": min(e["t"] for e in errors) - kill if errors else None,
+        "resume_s": min(e["t"] for e in at2) - kill if at2 else None,
+        "grow_s": min(e["t"] for e in at3) - rejoin if at3 else None,
+        "steps_before_kill": last_step,
+        "resumed_from_step": resumed_from,
+        "steps_lost": last_step - resumed_from if resumed_from is not None else None,
+        "worlds": [w for _, w in sorted({(e["t"], e["world"]) for e in ev
+                                          if e["event"] == "start" and e["rank"] == 0})],
+        "loss_at_checkpoint": sum(ck_losses) / len(ck_losses) if ck_losses else None,
+        "loss_after_resume": sum(after_losses) / len(after_losses) if after_losses else None,
+        "finished": any(e["event"] == "done" for e in ev),
+        "samples": sample_accounting(ev, args.samples),
+        "marks": {k: v - t0 for k, v in marks.items()},
+        "curve": [{"t": e["t"] - t0, "step": e["step"], "loss": e["loss"], "world": e["world"]}
+                  for e in ev if e["event"] == "step" and e["rank"] == 0],
+    }
+    return result
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    colors = {3: "tab:blue", 2: "tab:orange"}
+    for world in sorted({c["world"] for c in result["curve"]}):
+        pts = [c for c in result["curve"] if c["world"] == world]
+        ax.scatter([c["t"] for c in pts], [c["loss"] for c in pts], s=8,
+                   color=colors.get(world, "tab:green"), label=f"{world} hosts")
+    m = result["marks"]
+    ax.axvline(m["kill"], color="red", ls="--", lw=1)
+    ax.annotate("host 2 lost", (m["kill"], 1), xycoords=("data", "axes fraction"),
+                xytext=(3, -12), textcoords="offset points", color="red", fontsize=8)
+    if result["resume_s"] is not None:
+        t = m["kill"] + result["resume_s"]
+        ax.axvspan(m["kill"], t, color="red", alpha=0.08)
+        ax.annotate(f"resumed at 2 after {result['resume_s']:.1f}s\n(detected after "
+                    f"{result['detect_s']:.1f}s)", (t, 0.85), xycoords=("data", "axes fraction"),
+                    xytext=(3, 0), textcoords="offset points", fontsize=8)
+    ax.axvline(m["rejoin"], color="green", ls="--", lw=1)
+    ax.annotate("host 2 back", (m["rejoin"], 0.6), xycoords=("data", "axes fraction"),
+                xytext=(3, 0), textcoords="offset points", color="green", fontsize=8)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("training loss (rank 0, per step)")
+    ax.set_title(f"elastic {result['config']['algorithm']}: 3 hosts → 2 → 3 "
+                 f"(timeout {result['config']['timeout_s']:g}s, checkpoint every "
+                 f"{result['config']['checkpoint_every']} steps)")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ok, why = testbed_available()
+    if not ok:
+        print(f"elastic scenario needs the testbed (network namespaces): {why}")
+        return 2
+    result = run_scenario(args)
+    out = Path(args.out)
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    try:
+        plot(result, out / "elastic.png")
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+    s = result["samples"]
+    fmt = lambda v: "—" if v is None else f"{v:.1f}"  # noqa: E731
+    print(f"elastic {args.algorithm}, timeout {args.timeout:g}s, worlds {result['worlds']}")
+    print(f"  detect {fmt(result['detect_s'])} s | resume at 2 {fmt(result['resume_s'])} s | "
+          f"grow to 3 {fmt(result['grow_s'])} s")
+    print(f"  steps lost {result['steps_lost']} (killed after step {result['steps_before_kill']},"
+          f" resumed from {result['resumed_from_step']})")
+    print(f"  loss at checkpoint {fmt(result['loss_at_checkpoint'])}... -> first after resume "
+          f"{fmt(result['loss_after_resume'])}")
+    print(f"  samples: {s['epochs_checked']} completed epoch(s), {s['missing']} missed, "
+          f"{s['extra']} repeated; finished: {result['finished']}")
+    print(f"  {out / 'result.json'}, {out / 'elastic.png'}")
+    return 0 if result["finished"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

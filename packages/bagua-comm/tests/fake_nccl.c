@@ -1,0 +1,72 @@
+/* A stand-in libnccl for CPU tests of the binding: it exports the NCCL entry points by name
+ * with their C signatures, so our dlopen/dlsym table, error paths and watchdog can be driven
+ * without a GPU.  Built by the tests with `cc -shared -fPIC` (see _fake_nccl.py).
+ *   -DFAKE_OLD   an NCCL 2.3.7: no ncclCommAbort, ncclCommGetAsyncError, ncclSend/Recv,
+ *                ncclGetLastError (they arrived in 2.4, 2.7, 2.13).
+ * Test controls (called through ctypes): fakeSetAsyncError, fakeAborts, fakeSetSleepUs. */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef int ncclResult_t;
+typedef struct { int nranks, rank, aborted; } fakeComm;
+typedef fakeComm *ncclComm_t;
+typedef struct { char internal[128]; } ncclUniqueId;
+
+static int async_error = 0, aborts = 0, counter = 0;
+static unsigned sleep_us = 0;
+
+void fakeSetAsyncError(int status) { __atomic_store_n(&async_error, status, __ATOMIC_SEQ_CST); }
+int fakeAborts(void) { return __atomic_load_n(&aborts, __ATOMIC_SEQ_CST); }
+void fakeSetSleepUs(unsigned us) { sleep_us = us; }
+
+#ifdef FAKE_OLD
+ncclResult_t ncclGetVersion(int *v) { *v = 2307; return 0; }
+#else
+ncclResult_t ncclGetVersion(int *v) { *v = 22703; return 0; }
+#endif
+const char *ncclGetErrorString(ncclResult_t r) {
+  switch (r) {
+    case 0: return "no error";
+    case 3: return "fake internal error";
+    case 6: return "fake remote error";
+    default: return "fake unknown";
+  }
+}
+ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
+  memset(id->internal, 0, 128);
+  int c = __atomic_add_fetch(&counter, 1, __ATOMIC_SEQ_CST);
+  memcpy(id->internal, &c, sizeof c);
+  return 0;
+}
+ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank) {
+  (void)id;
+  fakeComm *c = calloc(1, sizeof *c);
+  c->nranks = nranks; c->rank = rank;
+  *comm = c;
+  return 0;
+}
+ncclResult_t ncclCommDestroy(ncclComm_t c) { free(c); return 0; }
+ncclResult_t ncclCommCount(ncclComm_t c, int *n) { *n = c->nranks; return 0; }
+ncclResult_t ncclCommUserRank(ncclComm_t c, int *r) { *r = c->rank; return 0; }
+ncclResult_t ncclAllReduce(const void *s, void *r, size_t n, int t, int op, ncclComm_t c,
+                           void *stream) {
+  (void)s; (void)r; (void)n; (void)t; (void)op; (void)c; (void)stream;
+  if (sleep_us) usleep(sleep_us);
+  return 0;
+}
+ncclResult_t ncclGroupStart(void) { return 0; }
+ncclResult_t ncclGroupEnd(void) { return 0; }
+#ifndef FAKE_OLD
+ncclResult_t ncclCommAbort(ncclComm_t c) {
+  __atomic_add_fetch(&aborts, 1, __ATOMIC_SEQ_CST);
+  free(c);
+  return 0;
+}
+ncclResult_t ncclCommGetAsyncError(ncclComm_t c, ncclResult_t *r) {
+  (void)c;
+  *r = __atomic_load_n(&async_error, __ATOMIC_SEQ_CST);
+  return 0;
+}
+const char *ncclGetLastError(ncclComm_t c) { (void)c; return "fake detail"; }
+#endif

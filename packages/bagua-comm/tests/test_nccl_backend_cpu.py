@@ -1,0 +1,196 @@
+"""The NCCL backend's Python path on CPU, with CuPy, CUDA streams and the communicator faked.
+
+No GPU runs here, so this checks what the GPU cannot show by itself: that repeated calls
+reuse the group's streams, events and compressed-allreduce buffers instead of creating new
+ones per call, that the watchdog tracks and recycles completion events, and that a failure
+the watchdog recorded makes the next call raise before anything is launched.
+"""
+
+import contextlib
+import ctypes
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+from bagua_comm._backends import nccl as backend
+from bagua_comm.compression import MinMaxUInt8
+from bagua_comm.ops import ReduceOp
+
+CREATED = {"Event": 0, "ExternalStream": 0, "torch ExternalStream": 0}
+
+
+class FakeEvent:
+    def __init__(self, disable_timing=True):
+        CREATED["Event"] += 1
+        self.records = 0
+
+    def record(self, stream=None):
+        self.records += 1
+
+    @property
+    def done(self):
+        return True
+
+
+class FakeStream:
+    def __init__(self, ptr=777, **kw):
+        self.ptr = ptr
+
+    def wait_event(self, event):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class FakeExternalStream(FakeStream):
+    def __init__(self, ptr, *a):
+        CREATED["ExternalStream"] += 1
+        super().__init__(ptr)
+
+
+class FakeComm:
+    """One rank: collectives copy send to recv; send/recv to itself pair up in order."""
+
+    def __init__(self):
+        self.watch = None
+        self.alive = True
+        self.sent = []
+
+    def async_error(self, blocking=True):
+        return 0
+
+    def abort(self):
+        self.alive = False
+
+    def allreduce(self, s, r, count, dtype, op, stream):
+        ctypes.memmove(r, s, count * 4)
+
+    def allgather(self, s, r, count, dtype, stream):
+        ctypes.memmove(r, s, count)       # uint8 payloads in the compressed allreduce
+
+    def send(self, buf, count, dtype, peer, stream):
+        self.sent.append((buf, count))
+
+    def recv(self, buf, count, dtype, peer, stream):
+        src, n = self.sent.pop(0)
+        assert n == count
+        ctypes.memmove(buf, src, count)
+
+
+class FakeGroup:
+    size, rank = 1, 0
+
+    def __init__(self):
+        self.comm = FakeComm()
+        self.stream = FakeStream()
+
+    def nccl_comm(self):
+        return self.comm
+
+    def nccl_stream(self):
+        return self.stream
+
+    def cuda_device(self):
+        return None          # the watchdog then leaves the thread's device alone
+
+    def __repr__(self):
+        return "FakeGroup(ranks=[0])"
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(Event=FakeEvent, ExternalStream=FakeExternalStream,
+                                      Stream=FakeStream)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+
+    def torch_external(ptr):
+        CREATED["torch ExternalStream"] += 1
+        return object()
+
+    monkeypatch.setattr(torch.cuda, "ExternalStream", torch_external)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda: types.SimpleNamespace(cuda_stream=4242))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
+    monkeypatch.setattr(backend, "_grouped", lambda comm, fn: fn())
+    for k in CREATED:
+        CREATED[k] = 0
+    yield
+
+
+def _settle(watch):
+    t0 = time.monotonic()
+    while watch.pending and time.monotonic() - t0 < 10:
+        time.sleep(0.02)
+    assert not watch.pending
+
+
+def test_repeated_calls_reuse_streams_and_events(fake_cuda):
+    g = FakeGroup()
+    x = torch.arange(16.0)
+    for i in range(300):
+        y = torch.zeros(16)
+        backend.allreduce(x, y, ReduceOp.SUM, g, async_op=False)
+        assert torch.equal(y, x)
+        if i % 50 == 49:
+            _settle(g.comm.watch)         # the watchdog returns finished events to the pool
+    assert CREATED["torch ExternalStream"] == 1
+    assert CREATED["ExternalStream"] == 1          # the caller's stream, once
+    # one "ready" event for the caller stream plus the completion events in flight between
+    # two watchdog polls (at most 50 here), never one or two per call
+    assert CREATED["Event"] <= 52, CREATED
+    # async handles keep their own event (they may be waited on much later)
+    works = [backend.allreduce(x, torch.zeros(16), ReduceOp.SUM, g, async_op=True)
+             for _ in range(3)]
+    assert len({id(w._handles[0]._event) for w in works}) == 3
+    for w in works:
+        w.wait()
+
+
+def test_compressed_allreduce_reuses_its_buffers(fake_cuda):
+    g = FakeGroup()
+    c = MinMaxUInt8()
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    ref = MinMaxUInt8(1)
+    once = ref.decompress(ref.compress(x), torch.empty_like(x))
+    expected = ref.decompress(ref.compress(once), torch.empty_like(x))
+    ptrs = None
+    for _ in range(5):
+        y = torch.empty_like(x)
+        backend.compressed_allreduce(x, y, ReduceOp.AVG, c, 1, 1000, "k", g, async_op=False)
+        assert torch.equal(y, expected)
+        now = {k: t.data_ptr() for k, t in g._nccl_state.scratch.items()}
+        assert ptrs is None or now == ptrs
+        ptrs = now
+    assert {"payload", "received", "parts", "own", "gathered"} <= set(ptrs)
+    # padding (numel not a multiple of the segment layout) uses the scratch input and output
+    y = torch.empty(999)
+    backend.compressed_allreduce(x[:999], y, ReduceOp.AVG, c, 1, 1000, "p", g, async_op=False)
+    assert {"input", "output"} <= set(g._nccl_state.scratch)
+    assert torch.isfinite(y).all()
+
+
+def test_a_recorded_failure_raises_before_launching(fake_cuda):
+    g = FakeGroup()
+    x = torch.ones(4)
+    backend.allreduce(x, torch.empty(4), ReduceOp.SUM, g, async_op=False)
+    work = backend.allreduce(x, torch.empty(4), ReduceOp.SUM, g, async_op=True)
+    watch = g.comm.watch
+    watch.error = RuntimeError("bagua_comm: the NCCL communicator of FakeGroup(ranks=[0]) "
+                               "was aborted: test (timeout 3 s)")
+    launched = []
+    g.comm.allreduce = lambda *a: launched.append(a)
+    with pytest.raises(RuntimeError, match=r"FakeGroup\(ranks=\[0\]\) was aborted.*timeout 3"):
+        backend.allreduce(x, torch.empty(4), ReduceOp.SUM, g, async_op=False)
+    with pytest.raises(RuntimeError, match="was aborted"):
+        work.wait()
+    assert launched == [] and watch.observed
+    watch.close()
