@@ -7,6 +7,7 @@
     nox -s lint                  ruff, cython-lint, import-linter contracts
     nox -s build-bagua-net       sdist + wheel, installed into a fresh venv and imported
     nox -t ci                    everything CI runs (README's test command)
+    nox -s docs                  the documentation site (mkdocs build --strict)
     nox -s bench | demo | gpu    benchmarks, the main job, GPU tests (gpu is off by default)
 
 Arguments after ``--`` reach pytest (or the benchmark script).  Torch is always installed
@@ -31,6 +32,8 @@ TORCH = os.environ.get("BAGUA_NOX_TORCH", "torch==2.13.0")
 # leaves it out.
 NCCL = os.environ.get("BAGUA_NOX_NCCL", "nvidia-nccl-cu12")
 NEEDS_NCCL = {"bagua-comm", "bagua-net"}
+# Extras a package's own tests install (bagua-algos tests its Lightning strategy too).
+TEST_EXTRAS = {"bagua-algos": "test,lightning"}
 NEEDS_TORCH = {"bagua-comm", "bagua-algos", "bagua-optim", "bagua-data"}  # torch first, pinned
 
 nox.options.default_venv_backend = "venv"
@@ -103,7 +106,7 @@ def _make_tests(package: str):
             _install_torch(session)
         for sib in SIBLINGS.get(package, []):
             session.install(_pkg(sib))
-        session.install(f"{wheel}[test]")
+        session.install(f"{wheel}[{TEST_EXTRAS.get(package, 'test')}]")
         _check_import_alone(session, package)
         if package in NEEDS_NCCL and NCCL != "0":
             session.install(NCCL)
@@ -146,6 +149,7 @@ def integration(session: nox.Session) -> None:
     session.install("pytest>=8", "pytest-timeout>=2.3", "numpy", "rich", "matplotlib")
     for p in PACKAGES:
         session.install(_pkg(p))
+    session.install(f"{_pkg('bagua-algos')}[lightning]")   # examples/lightning_train.py
     _pytest(session, "tests")
 
 
@@ -160,6 +164,21 @@ def lint(session: nox.Session) -> None:
         session.run("cython-lint", "--max-line-length", "100", *pyx, *pxd)
     src = os.pathsep.join(str(p) for p in sorted(ROOT.glob("packages/*/src")))
     session.run("lint-imports", env={"PYTHONPATH": src})
+
+
+@nox.session(tags=["ci"])
+def docs(session: nox.Session) -> None:
+    """The documentation site (docs/, mkdocs.yml), built with warnings as errors.
+
+    The API pages are generated from the packages' docstrings by static analysis, so neither
+    torch nor the packages need installing; only docs/requirements.txt (pinned).
+    """
+    session.install("-r", str(ROOT / "docs" / "requirements.txt"))
+    site = Path(session.create_tmp()) / "site"
+    session.run("mkdocs", "build", "--strict", "--clean", "--config-file",
+                str(ROOT / "mkdocs.yml"), "--site-dir", str(site),
+                env={"NO_MKDOCS_2_WARNING": "1"})
+    session.log(f"site built in {site}")
 
 
 # What the benchmarks need beyond the packages: the plot and the live table.

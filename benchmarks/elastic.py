@@ -178,7 +178,6 @@ def analyse(ev: list[dict], marks: dict, t0: float, args) -> dict:
     errors = [e for e in ev if e["event"] == "error" and e["t"] > kill]
     at2 = steps_at(ev, 2, kill)
     start2 = starts(ev, 2, kill)
-    start3 = starts(ev, 3, rejoin)
     at3 = steps_at(ev, 3, rejoin)
     before = [e for e in ev if e["event"] == "step" and e["t"] <= kill and e["rank"] == 0]
     last_step = max(e["step"] for e in before)

@@ -3,6 +3,7 @@
 
     torchrun --nproc_per_node=2 examples/train.py --algorithm bytegrad
     torchrun --nnodes=2 --nproc_per_node=4 ... examples/train.py --algorithm decentralized
+    torchrun --nproc_per_node=2 examples/train.py --quick      # 1 epoch on 1,024 samples
 
 The data set is generated (nothing is downloaded): 10 classes labelled by a fixed random
 "teacher" network on 32-dimensional Gaussian inputs, split into training and validation sets.
@@ -98,7 +99,10 @@ def parse_args(argv=None):
     ap.add_argument("--checkpoint", default=None, help="save/resume path")
     ap.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="1 epoch on 1,024 samples")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.epochs, args.samples = 1, 1024
     if args.hierarchical is None:   # each algorithm's documented default
         args.hierarchical = args.algorithm != "gradient_allreduce"
     if args.lr is None:

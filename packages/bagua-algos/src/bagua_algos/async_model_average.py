@@ -50,7 +50,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self.warmup_steps = algo.warmup_steps
         self.uses_grad_buckets = algo.warmup_steps > 0
         self.bg_group = bc.new_group(group.ranks)     # collective: every rank, same order
-        self.lock = threading.Lock()                  # held around optimizer.step()
+        self.lock = threading.RLock()   # held around optimizer.step(); re-entered by step(closure)
         self.abort_event = threading.Event()
         self.thread: threading.Thread | None = None
         self.stopped = False
