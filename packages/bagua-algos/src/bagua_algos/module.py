@@ -13,6 +13,7 @@ from torch.autograd import Variable
 
 import bagua_comm as bc
 
+from . import _autotune
 from ._bucket import BaguaBucket
 from .algorithm import Algorithm, AlgorithmImpl, BaguaContext
 
@@ -23,7 +24,7 @@ logger = logging.getLogger("bagua_algos")
 
 def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | None = None, *,
                group: bc.ProcessGroup | None = None, do_flatten: bool = True,
-               bucket_size: int | None = None) -> BaguaModule:
+               bucket_size: int | None = None, autotune: bool | dict = False) -> BaguaModule:
     """Wrap ``model`` for data-parallel training with ``algorithm``.
 
     Every rank ends up with rank 0's parameters, buffers and optimizer state.  Gradients (or
@@ -32,7 +33,14 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
     buffers.  Each bucket's communication starts as soon as its last gradient is accumulated
     and is waited for at the end of backward.  Calling ``with_bagua`` again on the returned
     module switches it to another algorithm.
+
+    ``autotune=True`` (or ``BAGUA_AUTOTUNE=1``) tunes the bucket size (and other knobs that
+    leave the algorithm's maths unchanged) during the first steps of training, starting from
+    ``bucket_size``; see :meth:`BaguaModule.autotune_report`.
     """
+    bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
+    _autotune.check_bucket_size(bucket_size)
+    autotune = _autotune.resolve_options(autotune)     # validated before any communication
     rewrap = isinstance(model, BaguaModule)
     if rewrap:
         model.detach_algorithm()
@@ -49,8 +57,6 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
     if not isinstance(algorithm, Algorithm):
         raise ValueError("algorithm must be a bagua_algos.Algorithm (e.g. GradientAllReduce() or "
                          f"Algorithm.init('gradient_allreduce')), got {type(algorithm).__name__}")
-    bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
-    _check_bucket_size(bucket_size)
     if not bc.is_initialized() and torch.distributed.is_initialized():
         bc.init_process_group()  # adopt torch's default process group (DDP users' habit)
     if not bc.is_initialized():
@@ -67,7 +73,8 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
             "(step counter, error-feedback residuals, replicas) was dropped: load checkpoints "
             "after with_bagua: model = with_bagua(model, [optimizer], algorithm); "
             "model.load_state_dict(ck['model']); optimizer.load_state_dict(ck['optimizer'])")
-    return BaguaModule(model, optimizers, algorithm, group, do_flatten, bucket_size)
+    return BaguaModule(model, optimizers, algorithm, group, do_flatten, bucket_size,
+                       autotune=autotune)
 
 
 def _broadcast_tensors(tensors: Iterable[torch.Tensor], group: bc.ProcessGroup) -> None:
@@ -118,7 +125,8 @@ def _flat_on_one_level(algorithm: Algorithm, group: bc.ProcessGroup) -> Algorith
 class BaguaModule(torch.nn.Module):
     """A model wrapped by :func:`with_bagua`. ``forward`` passes through to ``.module``."""
 
-    def __init__(self, module, optimizers, algorithm, group, do_flatten, bucket_size):
+    def __init__(self, module, optimizers, algorithm, group, do_flatten, bucket_size, *,
+                 autotune: dict | None = None):
         super().__init__()
         self.module = module
         self.algorithm = algorithm
@@ -152,6 +160,8 @@ class BaguaModule(torch.nn.Module):
         self._set_buckets(self._make_buckets(self._tensors, bucket_size))
         self.impl.init_operations(self.ctx, self.buckets)
         self._register_hooks()
+        # autotuning (bagua_algos._autotune): collective, after the buckets exist
+        self._autotuner = _autotune.Autotuner(self, autotune) if autotune else None
 
     # -- buckets ------------------------------------------------------------------------------
     @property
@@ -260,6 +270,8 @@ class BaguaModule(torch.nn.Module):
             if self._order_pending:
                 self._fix_order()
             self.ctx.step += 1
+            if self._autotuner is not None:
+                self._autotuner.on_step(self)     # may switch configuration, on every rank
             self.impl.forward_pre_hook(self.ctx)
 
     def _grad_ready(self, param) -> None:
@@ -398,6 +410,13 @@ class BaguaModule(torch.nn.Module):
             yield
         finally:
             self._sync = old
+
+    def autotune_report(self) -> dict | None:
+        """``None`` unless autotuning; else ``{"done", "steps", "best", "trials", ...}``:
+        whether the tuner has settled, the training steps it took, the configuration it
+        chose (``{"bucket_size": bytes, ...}``) and every trial's configuration and score
+        (seconds per step, the slowest rank's)."""
+        return None if self._autotuner is None else self._autotuner.report()
 
     def abort(self) -> None:
         """Stop background communication (AsyncModelAverage); returns once it has stopped."""
