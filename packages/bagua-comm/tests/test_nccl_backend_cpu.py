@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from bagua_comm._backends import nccl as backend
-from bagua_comm.compression import MinMaxUInt8
 from bagua_comm.ops import ReduceOp
 
 CREATED = {"Event": 0, "ExternalStream": 0, "torch ExternalStream": 0}
@@ -87,21 +86,26 @@ class FakeComm:
 class FakeGroup:
     size, rank = 1, 0
 
-    def __init__(self):
-        self.comm = FakeComm()
-        self.stream = FakeStream()
-
-    def nccl_comm(self):
-        return self.comm
-
-    def nccl_stream(self):
-        return self.stream
-
     def cuda_device(self):
         return None          # the watchdog then leaves the thread's device alone
 
     def __repr__(self):
         return "FakeGroup(ranks=[0])"
+
+
+class FakeBackend(backend.NcclBackend):
+    """The real NCCL backend object over a fake communicator and stream."""
+
+    def __init__(self):
+        super().__init__(FakeGroup())
+        self.fake_comm = FakeComm()
+        self.fake_stream = FakeStream()
+
+    def comm(self):
+        return self.fake_comm
+
+    def stream(self):
+        return self.fake_stream
 
 
 @pytest.fixture
@@ -134,62 +138,39 @@ def _settle(watch):
 
 
 def test_repeated_calls_reuse_streams_and_events(fake_cuda):
-    g = FakeGroup()
+    be = FakeBackend()
     x = torch.arange(16.0)
     for i in range(300):
         y = torch.zeros(16)
-        backend.allreduce(x, y, ReduceOp.SUM, g, async_op=False)
+        be.allreduce(x, y, ReduceOp.SUM, async_op=False)
         assert torch.equal(y, x)
         if i % 50 == 49:
-            _settle(g.comm.watch)         # the watchdog returns finished events to the pool
+            _settle(be._state.watch)         # the watchdog returns finished events to the pool
     assert CREATED["torch ExternalStream"] == 1
     assert CREATED["ExternalStream"] == 1          # the caller's stream, once
     # one "ready" event for the caller stream plus the completion events in flight between
     # two watchdog polls (at most 50 here), never one or two per call
     assert CREATED["Event"] <= 52, CREATED
     # async handles keep their own event (they may be waited on much later)
-    works = [backend.allreduce(x, torch.zeros(16), ReduceOp.SUM, g, async_op=True)
+    works = [be.allreduce(x, torch.zeros(16), ReduceOp.SUM, async_op=True)
              for _ in range(3)]
     assert len({id(w._handles[0]._event) for w in works}) == 3
     for w in works:
         w.wait()
 
 
-def test_compressed_allreduce_reuses_its_buffers(fake_cuda):
-    g = FakeGroup()
-    c = MinMaxUInt8()
-    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
-    ref = MinMaxUInt8(1)
-    once = ref.decompress(ref.compress(x), torch.empty_like(x))
-    expected = ref.decompress(ref.compress(once), torch.empty_like(x))
-    ptrs = None
-    for _ in range(5):
-        y = torch.empty_like(x)
-        backend.compressed_allreduce(x, y, ReduceOp.AVG, c, 1, 1000, "k", g, async_op=False)
-        assert torch.equal(y, expected)
-        now = {k: t.data_ptr() for k, t in g._nccl_state.scratch.items()}
-        assert ptrs is None or now == ptrs
-        ptrs = now
-    assert {"payload", "received", "parts", "own", "gathered"} <= set(ptrs)
-    # padding (numel not a multiple of the segment layout) uses the scratch input and output
-    y = torch.empty(999)
-    backend.compressed_allreduce(x[:999], y, ReduceOp.AVG, c, 1, 1000, "p", g, async_op=False)
-    assert {"input", "output"} <= set(g._nccl_state.scratch)
-    assert torch.isfinite(y).all()
-
-
 def test_a_recorded_failure_raises_before_launching(fake_cuda):
-    g = FakeGroup()
+    be = FakeBackend()
     x = torch.ones(4)
-    backend.allreduce(x, torch.empty(4), ReduceOp.SUM, g, async_op=False)
-    work = backend.allreduce(x, torch.empty(4), ReduceOp.SUM, g, async_op=True)
-    watch = g.comm.watch
+    be.allreduce(x, torch.empty(4), ReduceOp.SUM, async_op=False)
+    work = be.allreduce(x, torch.empty(4), ReduceOp.SUM, async_op=True)
+    watch = be._state.watch
     watch.error = RuntimeError("bagua_comm: the NCCL communicator of FakeGroup(ranks=[0]) "
                                "was aborted: test (timeout 3 s)")
     launched = []
-    g.comm.allreduce = lambda *a: launched.append(a)
+    be.fake_comm.allreduce = lambda *a: launched.append(a)
     with pytest.raises(RuntimeError, match=r"FakeGroup\(ranks=\[0\]\) was aborted.*timeout 3"):
-        backend.allreduce(x, torch.empty(4), ReduceOp.SUM, g, async_op=False)
+        be.allreduce(x, torch.empty(4), ReduceOp.SUM, async_op=False)
     with pytest.raises(RuntimeError, match="was aborted"):
         work.wait()
     assert launched == [] and watch.observed

@@ -168,20 +168,29 @@ def test_hierarchical_communicators_on_two_nodes_of_two():
 
 def _without_16bit_gloo_reductions():
     """Emulate a torch whose gloo lacks float16/bfloat16 reductions: bagua upcasts."""
-    import torch.distributed as dist
+    half = (torch.float16, torch.bfloat16)
 
-    from bagua_comm import primitives
+    class Refusing:
+        """The default group's torch process group, refusing 16-bit reductions."""
 
-    def refuse(fn):
-        def wrapped(*args, **kwargs):
-            if any(isinstance(a, torch.Tensor) and a.dtype in (torch.float16, torch.bfloat16)
-                   for a in args):
+        def __init__(self, pg):
+            self._pg = pg
+
+        def __getattr__(self, name):
+            return getattr(self._pg, name)
+
+        def allreduce(self, tensors, opts):
+            if tensors[0].dtype in half:
                 raise RuntimeError("Unsupported ScalarType BFloat16 / Half for this op")
-            return fn(*args, **kwargs)
-        return wrapped
+            return self._pg.allreduce(tensors, opts)
 
-    dist.all_reduce = refuse(dist.all_reduce)
-    primitives._reduce_scatter_single = refuse(primitives._reduce_scatter_single)
+        def _reduce_scatter_base(self, out, inp, opts):
+            if inp.dtype in half:
+                raise RuntimeError("Unsupported ScalarType BFloat16 / Half for this op")
+            return self._pg._reduce_scatter_base(out, inp, opts)
+
+    backend = bc.get_default_group()._gloo
+    backend.pg = Refusing(backend.pg)
     r = bc.get_rank()
     out = []
     for dtype in (torch.float16, torch.bfloat16):

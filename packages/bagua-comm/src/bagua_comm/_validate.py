@@ -12,7 +12,7 @@ import operator
 import torch
 
 from .ops import ReduceOp
-from .process_group import ProcessGroup, get_default_group
+from .process_group import ProcessGroup, _state, get_default_group
 
 _NCCL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
                 torch.uint8, torch.int32, torch.int64)
@@ -24,7 +24,10 @@ _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
 def group(group) -> ProcessGroup:
-    g = get_default_group() if group is None else group
+    if group is None:
+        g = _state.default  # the default group: always a member, never destroyed
+        return g if g is not None else get_default_group()  # (which raises)
+    g = group
     if not isinstance(g, ProcessGroup):
         raise ValueError(f"group must be a bagua_comm.ProcessGroup or None, got {type(g).__name__}")
     if g._destroyed:
@@ -44,7 +47,7 @@ def tensor(name: str, t, g: ProcessGroup) -> None:
     if t.dtype not in _DTYPES:
         raise ValueError(f"{name} has dtype {t.dtype}: {_DTYPE_RULE}; cast it first "
                          "(e.g. .to(torch.int32) or .float())")
-    if t.device.type == "cpu":
+    if t.is_cpu:
         return
     if t.device.type != "cuda":
         raise ValueError(f"{name} is on {t.device}: bagua_comm takes CPU tensors (gloo) or CUDA "
@@ -98,10 +101,11 @@ def rank(name: str, r, g: ProcessGroup, *, not_self=False) -> int:
 
 
 def op(o, dtype: torch.dtype) -> ReduceOp:
-    try:
-        o = ReduceOp(o)
-    except ValueError as err:
-        raise ValueError(f"op must be a bagua_comm.ReduceOp, got {o!r}") from err
+    if o.__class__ is not ReduceOp:
+        try:
+            o = ReduceOp(o)
+        except ValueError as err:
+            raise ValueError(f"op must be a bagua_comm.ReduceOp, got {o!r}") from err
     if o is ReduceOp.AVG and not dtype.is_floating_point:
         raise ValueError(f"op=ReduceOp.AVG needs a floating-point tensor, got {dtype}")
     if o in _BITWISE and (dtype.is_floating_point or dtype.is_complex):

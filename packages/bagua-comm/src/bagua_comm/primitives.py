@@ -1,33 +1,19 @@
-"""Communication primitives (DESIGN.md section 4).
+"""Communication primitives.
 
 Every primitive validates its arguments before communicating (:mod:`._validate`), records
-the bytes it sends (:mod:`bagua_comm.traffic`), then runs on the tensors' device: CPU tensors
-through the group's torch.distributed gloo group, CUDA tensors (``nccl`` backend) through our
-NCCL binding (:mod:`._backends.nccl`).  With ``async_op=True`` it returns a
-:class:`~bagua_comm.work.Work`; otherwise it returns once the result is in place.
+the bytes it sends (:mod:`bagua_comm.traffic`), then hands the work to the group's backend
+for the tensors' device (:mod:`._backends`: gloo for CPU tensors, NCCL for CUDA tensors on
+the ``nccl`` backend).  With ``async_op=True`` it returns a :class:`~bagua_comm.work.Work`;
+otherwise it returns once the result is in place.
 """
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from . import _validate as V
 from . import traffic
-from .ops import ReduceOp, to_torch
-from .work import finish
-
-_HALF = (torch.float16, torch.bfloat16)
-# Newer torch renamed the tensor forms; the old names remain as deprecated aliases.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
-                          or dist.reduce_scatter_tensor)
-
-
-def _nccl():
-    from ._backends import nccl as _nccl_ops
-
-    return _nccl_ops
+from .ops import ReduceOp
 
 
 def _data(t):
@@ -40,33 +26,6 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def _reduction(tensor, op, g, start):
-    """Start a gloo reduction of ``tensor`` with ``start(buf, torch_op) -> handle``.
-
-    AVG runs as SUM followed by a division at completion.  Should this torch's gloo lack a
-    16-bit float reduction, it runs on a float32 copy instead (every rank takes the same
-    path: the error is raised for the dtype, before anything is sent).
-    """
-    top = to_torch(op)
-    avg = op is ReduceOp.AVG
-    try:
-        h = start(tensor, top)
-        buf = tensor
-    except RuntimeError as err:
-        if tensor.dtype not in _HALF or "type" not in str(err).lower():
-            raise
-        buf = tensor.float()
-        h = start(buf, top)
-
-    def then():
-        if avg:
-            buf.div_(g.size)
-        if buf is not tensor:
-            tensor.copy_(buf)
-
-    return h, (then if avg or buf is not tensor else None)
-
-
 # -- point to point ------------------------------------------------------------------------
 def send(tensor, dst, *, group=None, async_op=False):
     """Send ``tensor`` to group rank ``dst`` (which calls :func:`recv`)."""
@@ -74,9 +33,7 @@ def send(tensor, dst, *, group=None, async_op=False):
     V.tensor("tensor", tensor, g)
     dst = V.rank("dst", dst, g, not_self=True)
     traffic.record("send", _nbytes(tensor))
-    if tensor.is_cuda:
-        return _nccl().send(tensor, dst, g, async_op)
-    return finish([dist.isend(tensor, group=g.torch_group, group_dst=dst)], async_op=async_op)
+    return g._by_cuda[tensor.is_cuda].send(tensor, dst, async_op)
 
 
 def recv(tensor, src, *, group=None, async_op=False):
@@ -85,9 +42,7 @@ def recv(tensor, src, *, group=None, async_op=False):
     V.tensor("tensor", tensor, g)
     src = V.rank("src", src, g, not_self=True)
     tensor = _data(tensor)
-    if tensor.is_cuda:
-        return _nccl().recv(tensor, src, g, async_op)
-    return finish([dist.irecv(tensor, group=g.torch_group, group_src=src)], async_op=async_op)
+    return g._by_cuda[tensor.is_cuda].recv(tensor, src, async_op)
 
 
 # -- broadcast -----------------------------------------------------------------------------
@@ -99,10 +54,7 @@ def broadcast(tensor, src=0, *, group=None, async_op=False):
     tensor = _data(tensor)
     if g.rank == src:
         traffic.record("broadcast", _nbytes(tensor))
-    if tensor.is_cuda:
-        return _nccl().broadcast(tensor, src, g, async_op)
-    h = dist.broadcast(tensor, group=g.torch_group, group_src=src, async_op=True)
-    return finish([h], async_op=async_op)
+    return g._by_cuda[tensor.is_cuda].broadcast(tensor, src, async_op)
 
 
 def broadcast_object(obj, src=0, *, group=None, async_op=False):
@@ -110,7 +62,7 @@ def broadcast_object(obj, src=0, *, group=None, async_op=False):
     g = V.group(group)
     src = V.rank("src", src, g)
     box = [obj if g.rank == src else None]
-    dist.broadcast_object_list(box, group=g.torch_group, group_src=src)
+    dist.broadcast_object_list(box, src=g.global_rank(src), group=g.torch_group)
     return box[0]
 
 
@@ -145,12 +97,7 @@ def reduce_inplace(tensor, dst, op=ReduceOp.SUM, *, group=None, async_op=False):
 
 def _reduce_inplace(tensor, dst, op, g, async_op):
     traffic.record("reduce", _nbytes(tensor) * (g.size - 1) / g.size)
-    if tensor.is_cuda:
-        return _nccl().reduce(tensor, tensor, dst, op, g, async_op)
-    h, then = _reduction(tensor, op, g, lambda t, o: dist.reduce(
-        t, op=o, group=g.torch_group, group_dst=dst, async_op=True))
-    # Non-destination ranks hold partial results: only dst averages (and copies back).
-    return finish([h], then if g.rank == dst else None, async_op)
+    return g._by_cuda[tensor.is_cuda].reduce(tensor, dst, op, async_op)
 
 
 def allreduce(send, recv, op=ReduceOp.SUM, *, group=None, async_op=False):
@@ -159,12 +106,8 @@ def allreduce(send, recv, op=ReduceOp.SUM, *, group=None, async_op=False):
     V.pair(send, recv, g)
     op = V.op(op, send.dtype)
     recv = _data(recv)
-    if send.is_cuda:
-        traffic.record("allreduce", 2 * _nbytes(send) * (g.size - 1) / g.size)
-        return _nccl().allreduce(send, recv, op, g, async_op)
-    if recv.data_ptr() != send.data_ptr():
-        recv.copy_(send)
-    return _allreduce_inplace(recv, op, g, async_op)
+    traffic.record("allreduce", 2 * _nbytes(send) * (g.size - 1) / g.size)
+    return g._by_cuda[send.is_cuda].allreduce(send, recv, op, async_op)
 
 
 def allreduce_inplace(tensor, op=ReduceOp.SUM, *, group=None, async_op=False):
@@ -172,18 +115,11 @@ def allreduce_inplace(tensor, op=ReduceOp.SUM, *, group=None, async_op=False):
     g = V.group(group)
     V.tensor("tensor", tensor, g)
     op = V.op(op, tensor.dtype)
-    tensor = _data(tensor)
-    if tensor.is_cuda:
-        traffic.record("allreduce", 2 * _nbytes(tensor) * (g.size - 1) / g.size)
-        return _nccl().allreduce(tensor, tensor, op, g, async_op)
-    return _allreduce_inplace(tensor, op, g, async_op)
-
-
-def _allreduce_inplace(tensor, op, g, async_op):
-    traffic.record("allreduce", 2 * _nbytes(tensor) * (g.size - 1) / g.size)
-    h, then = _reduction(tensor, op, g, lambda t, o: dist.all_reduce(
-        t, op=o, group=g.torch_group, async_op=True))
-    return finish([h], then, async_op)
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    n = g.size
+    traffic.record("allreduce", 2 * tensor.numel() * tensor.element_size() * (n - 1) / n)
+    return g._by_cuda[tensor.is_cuda].allreduce(tensor, tensor, op, async_op)
 
 
 # -- gather / scatter ----------------------------------------------------------------------
@@ -193,10 +129,7 @@ def allgather(send, recv, *, group=None, async_op=False):
     V.pair(send, recv, g, ratio_send=g.size)
     recv = _data(recv)
     traffic.record("allgather", _nbytes(send) * (g.size - 1))
-    if send.is_cuda:
-        return _nccl().allgather(send, recv, g, async_op)
-    h = _all_gather_single(recv, send, group=g.torch_group, async_op=True)
-    return finish([h], async_op=async_op)
+    return g._by_cuda[send.is_cuda].allgather(send, recv, async_op)
 
 
 def allgather_inplace(tensor, *, group=None, async_op=False):
@@ -221,11 +154,7 @@ def gather(send, recv, dst, *, group=None, async_op=False):
     recv = _data(recv)
     if g.rank != dst:
         traffic.record("gather", _nbytes(send))
-    if send.is_cuda:
-        return _nccl().gather(send, recv, dst, g, async_op)
-    chunks = list(recv.chunk(g.size)) if g.rank == dst else None
-    h = dist.gather(send, chunks, group=g.torch_group, group_dst=dst, async_op=True)
-    return finish([h], async_op=async_op)
+    return g._by_cuda[send.is_cuda].gather(send, recv, dst, async_op)
 
 
 def gather_inplace(tensor, count, dst, *, group=None, async_op=False):
@@ -251,11 +180,7 @@ def scatter(send, recv, src, *, group=None, async_op=False):
     recv = _data(recv)
     if g.rank == src:
         traffic.record("scatter", _nbytes(send) * (g.size - 1) / g.size)
-    if recv.is_cuda:
-        return _nccl().scatter(send, recv, src, g, async_op)
-    chunks = list(send.chunk(g.size)) if g.rank == src else None
-    h = dist.scatter(recv, chunks, group=g.torch_group, group_src=src, async_op=True)
-    return finish([h], async_op=async_op)
+    return g._by_cuda[recv.is_cuda].scatter(send, recv, src, async_op)
 
 
 def scatter_inplace(tensor, count, src, *, group=None, async_op=False):
@@ -277,26 +202,7 @@ def reduce_scatter(send, recv, op=ReduceOp.SUM, *, group=None, async_op=False):
     op = V.op(op, send.dtype)
     recv = _data(recv)
     traffic.record("reduce_scatter", _nbytes(send) * (g.size - 1) / g.size)
-    if send.is_cuda:
-        return _nccl().reduce_scatter(send, recv, op, g, async_op)
-    top = to_torch(op)
-    try:
-        h = _reduce_scatter_single(recv, send, op=top, group=g.torch_group, async_op=True)
-        buf = recv
-    except RuntimeError as err:
-        if send.dtype not in _HALF or "type" not in str(err).lower():
-            raise
-        buf = torch.empty(recv.numel(), dtype=torch.float32)
-        h = _reduce_scatter_single(buf, send.float(), op=top, group=g.torch_group,
-                                   async_op=True)
-
-    def then():
-        if op is ReduceOp.AVG:
-            buf.div_(g.size)
-        if buf is not recv:
-            recv.copy_(buf)
-
-    return finish([h], then if op is ReduceOp.AVG or buf is not recv else None, async_op)
+    return g._by_cuda[send.is_cuda].reduce_scatter(send, recv, op, async_op)
 
 
 def reduce_scatter_inplace(tensor, op=ReduceOp.SUM, *, group=None, async_op=False):
@@ -316,10 +222,7 @@ def alltoall(send, recv, *, group=None, async_op=False):
     V.divisible("send", send, g)
     recv = _data(recv)
     traffic.record("alltoall", _nbytes(send) * (g.size - 1) / g.size)
-    if send.is_cuda:
-        return _nccl().alltoall(send, recv, g, async_op)
-    h = dist.all_to_all_single(recv, send, group=g.torch_group, async_op=True)
-    return finish([h], async_op=async_op)
+    return g._by_cuda[send.is_cuda].alltoall(send, recv, async_op)
 
 
 def alltoall_inplace(tensor, *, group=None, async_op=False):
@@ -348,24 +251,11 @@ def alltoall_v(send, send_counts, send_displs, recv, recv_counts, recv_displs, *
     V.self_count(send_counts, recv_counts, g)
     recv = _data(recv)
     traffic.record("alltoall_v", (sum(send_counts) - send_counts[g.rank]) * send.element_size())
-    if send.is_cuda:
-        return _nccl().alltoall_v(send, send_counts, send_displs, recv, recv_counts,
-                                  recv_displs, g, async_op)
-    packed_send = torch.cat([send[d:d + c] for c, d in zip(send_counts, send_displs)])
-    packed_recv = torch.empty(sum(recv_counts), dtype=recv.dtype)
-    h = dist.all_to_all_single(packed_recv, packed_send, recv_counts, send_counts,
-                               group=g.torch_group, async_op=True)
-
-    def then():
-        off = 0
-        for c, d in zip(recv_counts, recv_displs):
-            recv[d:d + c].copy_(packed_recv[off:off + c])
-            off += c
-
-    return finish([h], then, async_op)
+    return g._by_cuda[send.is_cuda].alltoall_v(send, send_counts, send_displs, recv, recv_counts,
+                                               recv_displs, async_op)
 
 
 def barrier(*, group=None, async_op=False):
     """Returns once every rank of the group has called it."""
     g = V.group(group)
-    return finish([dist.barrier(group=g.torch_group, async_op=True)], async_op=async_op)
+    return g._gloo.barrier(async_op)

@@ -10,9 +10,7 @@ order, which the algorithms do during initialisation.
 from __future__ import annotations
 
 import os
-import threading
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
@@ -22,10 +20,18 @@ _BACKENDS = ("auto", "gloo", "nccl")
 
 
 class ProcessGroup:
-    """An ordered set of global ranks that communicate together."""
+    """An ordered set of global ranks that communicate together.
+
+    Its ranks are kept sorted (as torch.distributed keeps them): group rank ``i`` is
+    ``ranks[i]``.  Each group has its backend objects, chosen once when it is made: gloo for
+    CPU tensors and, on the ``nccl`` backend, NCCL for CUDA tensors (see
+    ``bagua_comm._backends``).
+    """
 
     def __init__(self, ranks: list[int], torch_group, backend: str, local_world_size: int,
                  aux_torch_group=None):
+        from ._backends.gloo import GlooBackend
+
         self.ranks = list(ranks)
         self.torch_group = torch_group
         # A second gloo group of the same ranks for multi-phase operations that run on the
@@ -35,32 +41,30 @@ class ProcessGroup:
         self.backend = backend
         self._local_world_size = local_world_size
         self._global_rank = dist.get_rank()
-        self._lock = threading.Lock()
+        #: This process's rank inside the group, or -1 if it is not a member.
+        self.rank = self.ranks.index(self._global_rank) if self._global_rank in self.ranks else -1
         self._intra = None
         self._inter = None
-        self._nccl_comm = None
-        self._executor: ThreadPoolExecutor | None = None
-        self._nccl_stream = None
-        self._scratch: dict = {}  # reusable buffers of the worker thread (compressed_allreduce)
         self._destroyed = False
         self._id = len(_state.groups)  # same on every rank: groups are created collectively
+        self._generation = _state.generation
         _state.groups.append(self)
+        self._gloo = GlooBackend(self, torch_group, self.aux_torch_group)
+        self._nccl = None
+        if backend == "nccl":
+            from ._backends.nccl import NcclBackend
+
+            self._nccl = NcclBackend(self)
+        # the backend of a tensor: _by_cuda[tensor.is_cuda]
+        self._by_cuda = (self._gloo, self._nccl or self._gloo)
 
     # -- membership -------------------------------------------------------------------------
     @property
     def size(self) -> int:
         return len(self.ranks)
 
-    @property
-    def rank(self) -> int:
-        """This process's rank inside the group, or -1 if it is not a member."""
-        try:
-            return self.ranks.index(self._global_rank)
-        except ValueError:
-            return -1
-
     def is_member(self) -> bool:
-        return self._global_rank in self.ranks
+        return self.rank >= 0
 
     def global_rank(self, group_rank: int) -> int:
         return self.ranks[group_rank]
@@ -105,53 +109,12 @@ class ProcessGroup:
         return _state.cuda_device
 
     def nccl_comm(self):
-        """This group's NCCL communicator, created at first use (collective over the group:
-        its rank 0 makes a unique id and shares it through the store)."""
-        with self._lock:
-            if self._nccl_comm is None:
-                from . import _nccl_loader
+        """This group's NCCL communicator (owned by its nccl backend; made at first use)."""
+        if self._nccl is None:
+            raise RuntimeError("this process group uses the gloo backend: no NCCL communicator")
+        return self._nccl.comm()
 
-                nccl = _nccl_loader.load()
-                store = dist.distributed_c10d._get_default_store()
-                key = f"bagua_comm/nccl_uid/{_state.generation}/{self._id}"
-                if self.rank == 0:
-                    store.set(key, nccl.get_unique_id())
-                uid = store.get(key)
-                with torch.cuda.device(self.cuda_device()):
-                    self._nccl_comm = nccl.NcclCommunicator(self.size, bytes(uid), self.rank)
-            return self._nccl_comm
-
-    def nccl_stream(self):
-        """The CuPy stream this group's NCCL work runs on (created at first use)."""
-        with self._lock:
-            if self._nccl_stream is None:
-                import cupy
-
-                with cupy.cuda.Device(self.cuda_device()):
-                    self._nccl_stream = cupy.cuda.Stream(non_blocking=True)
-            return self._nccl_stream
-
-    def _destroy_nccl(self, abort: bool = False) -> None:
-        comm, self._nccl_comm = self._nccl_comm, None
-        if comm is not None:
-            comm.abort() if abort else comm.destroy()
-
-    # -- worker thread ----------------------------------------------------------------------
-    def _submit(self, fn, *args) -> Future:
-        """Run ``fn`` on this group's single worker thread (FIFO: the same order on every
-        rank, which keeps multi-phase collectives matched across ranks)."""
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix=f"bagua-comm-{self.ranks[:4]}")
-            return self._executor.submit(fn, *args)
-
-    def _shutdown(self) -> None:
-        with self._lock:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
-
+    # -- lifetime -----------------------------------------------------------------------------
     def destroy(self) -> None:
         """Release this group (its worker thread, NCCL communicator and torch groups); any
         later call with it raises.  Not collective.  The default group is released by
@@ -167,10 +130,10 @@ class ProcessGroup:
                 except (RuntimeError, ValueError, KeyError):
                     pass  # torch already released it
 
-    def _release(self) -> None:
+    def _release(self, abort: bool = False) -> None:
         self._destroyed = True
-        self._shutdown()
-        self._destroy_nccl()
+        for be in {id(b): b for b in self._by_cuda}.values():
+            be.close(abort)
 
     def __repr__(self) -> str:
         return f"ProcessGroup(ranks={self.ranks}, backend={self.backend!r})"
@@ -198,6 +161,7 @@ def _gloo_group(ranks):
 
 
 def _new_subgroup(ranks, backend, local_world_size) -> ProcessGroup:
+    ranks = sorted(ranks)
     tg = _gloo_group(ranks)
     aux = _gloo_group(ranks)
     return ProcessGroup(list(ranks), tg, backend, local_world_size, aux)
@@ -382,7 +346,10 @@ def get_backend() -> str:
 
 
 def new_group(ranks=None) -> ProcessGroup:
-    """A new group of the given global ranks (collective: every rank calls, same order)."""
+    """A new group of the given global ranks (collective: every rank calls, same order).
+
+    Its group ranks follow the global ranks' order (``ranks`` is sorted).  Its collectives
+    time out after ``init_process_group``'s ``timeout``."""
     world = get_world_size()
     ranks = list(range(world)) if ranks is None else [int(r) for r in ranks]
     if not ranks:

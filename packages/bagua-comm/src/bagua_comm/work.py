@@ -37,8 +37,10 @@ class Work:
 
 def finish(handles, then=None, async_op=False) -> Work | None:
     """Return a handle when ``async_op``; otherwise complete the work now and return None."""
-    work = Work(handles, then)
     if async_op:
-        return work
-    work.wait()
+        return Work(handles, then)
+    for h in handles:
+        h.wait()
+    if then is not None:
+        then()
     return None

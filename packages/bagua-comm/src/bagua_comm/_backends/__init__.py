@@ -1,1 +1,100 @@
-"""Backends: how a process group moves tensors (gloo for CPU tensors, NCCL for CUDA ones)."""
+"""Backends: how a process group moves tensors.
+
+A :class:`~bagua_comm.ProcessGroup` holds one :class:`Backend` object per kind of tensor it
+carries, chosen when the group is made: :class:`~._backends.gloo.GlooBackend` for CPU
+tensors (always), :class:`~._backends.nccl.NcclBackend` for CUDA tensors on the ``nccl``
+backend.  The primitives (``primitives.py``) validate their arguments, count traffic and
+call the backend of the tensor's device; the backend only moves data.
+
+The contract every backend implements (``tests/test_backends.py`` runs it against each):
+
+* Arguments arrive validated: contiguous tensors of a carried dtype on the backend's device,
+  ranks are group ranks in ``[0, size)``, ``op`` a :class:`~bagua_comm.ReduceOp` valid for
+  the dtype (AVG on floating point only; bitwise ops on integers only).
+* Each collective method returns :func:`~bagua_comm.work.finish`'s result: a
+  :class:`~bagua_comm.work.Work` when ``async_op`` else None, after the result is in place
+  (for NCCL: ordered before later work on the caller's current stream).
+* ``run(fn, tensors, async_op)`` runs ``fn()`` in the backend's execution context for
+  multi-phase collectives (gloo: the group's worker thread, FIFO, so phases never interleave
+  with another call's; NCCL: the group's stream).  Inside ``fn``, ``exchange(recv_rows,
+  send_rows)`` sends row ``j`` to group rank ``j`` and receives row ``j`` from it (an
+  alltoall; an allgather when every send row is the same tensor), and ``scratch(tag, numel,
+  dtype)`` returns a buffer of the group's pool, reused by the next call of the same shape.
+* ``close(abort=False)`` releases what the backend holds (threads, communicators).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Backend:
+    """Base class of the backends: the methods each one implements (see module docs)."""
+
+    name = "?"
+
+    def __init__(self, group):
+        self.group = group
+        self._scratch: dict = {}
+
+    # -- primitives (group ranks, validated tensors) ------------------------------------------
+    def send(self, tensor, dst, async_op):
+        raise NotImplementedError
+
+    def recv(self, tensor, src, async_op):
+        raise NotImplementedError
+
+    def broadcast(self, tensor, src, async_op):
+        raise NotImplementedError
+
+    def reduce(self, tensor, dst, op, async_op):
+        """In place: rank ``dst``'s ``tensor`` becomes the reduction (others: unspecified)."""
+        raise NotImplementedError
+
+    def allreduce(self, send, recv, op, async_op):
+        """``recv`` = reduction of every rank's ``send`` (``recv`` may be ``send``)."""
+        raise NotImplementedError
+
+    def allgather(self, send, recv, async_op):
+        raise NotImplementedError
+
+    def gather(self, send, recv, dst, async_op):
+        raise NotImplementedError
+
+    def scatter(self, send, recv, src, async_op):
+        raise NotImplementedError
+
+    def reduce_scatter(self, send, recv, op, async_op):
+        raise NotImplementedError
+
+    def alltoall(self, send, recv, async_op):
+        raise NotImplementedError
+
+    def alltoall_v(self, send, send_counts, send_displs, recv, recv_counts, recv_displs,
+                   async_op):
+        raise NotImplementedError
+
+    def barrier(self, async_op):
+        raise NotImplementedError
+
+    # -- multi-phase collectives --------------------------------------------------------------
+    def run(self, fn, tensors, async_op):
+        raise NotImplementedError
+
+    def exchange(self, recv_rows, send_rows):
+        raise NotImplementedError
+
+    def scratch(self, tag, numel: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+        """A reusable buffer of this group (fresh large allocations cost a page fault per
+        4 KiB on every call; the next call of the same shape reuses this one).  Only for use
+        inside :meth:`run`, whose calls are serialised."""
+        key = (tag, numel, dtype, device)
+        buf = self._scratch.get(key)
+        if buf is None:
+            if len(self._scratch) >= 32:  # many distinct sizes: start over rather than grow
+                self._scratch.clear()
+            buf = self._scratch[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf
+
+    def close(self, abort: bool = False) -> None:
+        self._scratch.clear()

@@ -1,4 +1,4 @@
-"""The primitives on CUDA tensors: our NCCL binding, streams and events through CuPy.
+"""The nccl backend: CUDA tensors through our NCCL binding, streams and events through CuPy.
 
 Arguments arrive validated (see primitives.py).  Each operation runs on its group's own CUDA
 stream: that stream first waits for the caller's current torch stream (so the inputs are
@@ -7,16 +7,22 @@ end.  Synchronous calls make the caller's stream wait for that event (no host
 synchronisation); ``async_op=True`` returns a work handle whose ``wait()`` does the same and
 whose ``is_completed()`` queries the event.  Tensors are recorded on the communication
 stream so torch's allocator keeps them alive until it is done.
+
+The backend object owns the group's NCCL state: its communicator (created at first use,
+collectively over the group: its rank 0 makes a unique id and shares it through the store)
+and its stream.  Nothing here imports CuPy or loads libnccl before the first CUDA call.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 
 import torch
 
-from ..ops import ReduceOp, reduce_rows
+from ..ops import ReduceOp
 from ..work import finish
+from . import Backend
 
 NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
                torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
@@ -64,11 +70,12 @@ class _GroupState:
     the watchdog's record of the communicator.  Stored on the group; built at its first call.
     """
 
-    def __init__(self, g, comm):
+    def __init__(self, be, comm):
         from .. import _nccl_watchdog
 
+        g = be.group
         self.comm = comm
-        self.stream = g.nccl_stream()
+        self.stream = be.stream()
         self.torch_stream = torch.cuda.ExternalStream(self.stream.ptr)
         self._callers: dict = {}
         self.free_events: collections.deque = collections.deque()
@@ -76,11 +83,11 @@ class _GroupState:
         self.watch = _nccl_watchdog.watch(comm, repr(g), _timeout_seconds(), g.cuda_device())
 
     @classmethod
-    def of(cls, g):
-        comm = g.nccl_comm()
-        st = g.__dict__.get("_nccl_state")
+    def of(cls, be):
+        comm = be.comm()
+        st = be._state
         if st is None or st.comm is not comm:
-            st = g.__dict__["_nccl_state"] = cls(g, comm)
+            st = be._state = cls(be, comm)
         return st
 
     def caller(self, ptr: int):
@@ -121,11 +128,10 @@ def _timeout_seconds() -> float:
 
 
 class _Launch:
-    """One operation on the group's stream: ``with _Launch(g) as L: L.comm.<call>(...)``."""
+    """One operation on the group's stream: ``with _Launch(be) as L: L.comm.<call>(...)``."""
 
-    def __init__(self, g, *tensors):
-        self.g = g
-        self.state = st = _GroupState.of(g)
+    def __init__(self, be, *tensors):
+        self.state = st = _GroupState.of(be)
         st.watch.check()            # an earlier failure on this group: raise before launching
         self.comm = st.comm
         self.stream = st.stream
@@ -150,6 +156,9 @@ class _Launch:
     def __exit__(self, *exc):
         for c in reversed(self._ctx):
             c.__exit__(*exc)
+        if exc[0] is not None and issubclass(exc[0], RuntimeError):
+            # NCCL failed because the watchdog aborted the communicator meanwhile: say so
+            self.state.watch.check()
         return False
 
     def keep(self, *tensors):
@@ -179,169 +188,188 @@ def _grouped(comm, fn):
         nccl.group_end()
 
 
-# -- point to point ------------------------------------------------------------------------
-def send(tensor, dst, g, async_op):
-    with _Launch(g, tensor) as L:
-        L.comm.send(tensor.data_ptr(), tensor.numel(), nccl_dtype(tensor), dst, L.ptr)
-    return L.done(async_op)
+class NcclBackend(Backend):
+    name = "nccl"
 
+    def __init__(self, group):
+        super().__init__(group)
+        self._lock = threading.Lock()
+        self._comm = None
+        self._stream = None
+        self._launch = None  # the _Launch of the run() in progress
+        self._state = None   # _GroupState: streams, events, scratch, watchdog record
 
-def recv(tensor, src, g, async_op):
-    with _Launch(g, tensor) as L:
-        L.comm.recv(tensor.data_ptr(), tensor.numel(), nccl_dtype(tensor), src, L.ptr)
-    return L.done(async_op)
+    # -- state ----------------------------------------------------------------------------------
+    def comm(self):
+        """This group's NCCL communicator, created at first use (collective over the group)."""
+        with self._lock:
+            if self._comm is None:
+                import torch.distributed as dist
 
+                from .. import _nccl_loader
 
-# -- collectives ---------------------------------------------------------------------------
-def broadcast(tensor, src, g, async_op):
-    with _Launch(g, tensor) as L:
-        L.comm.broadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
-                         nccl_dtype(tensor), src, L.ptr)
-    return L.done(async_op)
+                g = self.group
+                nccl = _nccl_loader.load()
+                store = dist.distributed_c10d._get_default_store()
+                key = f"bagua_comm/nccl_uid/{g._generation}/{g._id}"
+                if g.rank == 0:
+                    store.set(key, nccl.get_unique_id())
+                uid = store.get(key)
+                with torch.cuda.device(g.cuda_device()):
+                    self._comm = nccl.NcclCommunicator(g.size, bytes(uid), g.rank)
+            return self._comm
 
+    def stream(self):
+        """The CuPy stream this group's NCCL work runs on (created at first use)."""
+        with self._lock:
+            if self._stream is None:
+                import cupy
 
-def reduce(send_, recv_, dst, op, g, async_op):
-    with _Launch(g, send_, recv_) as L:
-        if op in _BITWISE:
-            gathered = _gather_all(L, send_, g)
-            if g.rank == dst:
-                recv_.copy_(_fold(gathered, op))
-        else:
-            L.comm.reduce(send_.data_ptr(), recv_.data_ptr(), send_.numel(), nccl_dtype(send_),
-                          NCCL_OPS[op], dst, L.ptr)
-    return L.done(async_op)
+                with cupy.cuda.Device(self.group.cuda_device()):
+                    self._stream = cupy.cuda.Stream(non_blocking=True)
+            return self._stream
 
+    def close(self, abort: bool = False) -> None:
+        state, self._state = self._state, None
+        if state is not None:
+            state.watch.close()    # stop watching before the communicator goes away
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.abort() if abort else comm.destroy()
+        super().close(abort)
 
-def allreduce(send_, recv_, op, g, async_op):
-    with _Launch(g, send_, recv_) as L:
-        if op in _BITWISE:
-            recv_.copy_(_fold(_gather_all(L, send_, g), op))
-        else:
-            L.comm.allreduce(send_.data_ptr(), recv_.data_ptr(), send_.numel(),
-                             nccl_dtype(send_), NCCL_OPS[op], L.ptr)
-    return L.done(async_op)
+    # -- point to point ------------------------------------------------------------------------
+    def send(self, tensor, dst, async_op):
+        with _Launch(self, tensor) as L:
+            L.comm.send(tensor.data_ptr(), tensor.numel(), nccl_dtype(tensor), dst, L.ptr)
+        return L.done(async_op)
 
+    def recv(self, tensor, src, async_op):
+        with _Launch(self, tensor) as L:
+            L.comm.recv(tensor.data_ptr(), tensor.numel(), nccl_dtype(tensor), src, L.ptr)
+        return L.done(async_op)
 
-def _gather_all(L, t, g):
-    """NCCL has no bitwise reductions: gather every rank's tensor, fold locally."""
-    out = torch.empty((g.size, t.numel()), dtype=t.dtype, device=t.device)
-    L.comm.allgather(t.data_ptr(), out.data_ptr(), t.numel(), nccl_dtype(t), L.ptr)
-    L.keep(out)
-    return out
+    # -- collectives ---------------------------------------------------------------------------
+    def broadcast(self, tensor, src, async_op):
+        with _Launch(self, tensor) as L:
+            L.comm.broadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
+                             nccl_dtype(tensor), src, L.ptr)
+        return L.done(async_op)
 
+    def reduce(self, tensor, dst, op, async_op):
+        with _Launch(self, tensor) as L:
+            if op in _BITWISE:
+                gathered = self._gather_all(L, tensor)
+                if self.group.rank == dst:
+                    tensor.copy_(self._fold(gathered, op))
+            else:
+                L.comm.reduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
+                              nccl_dtype(tensor), NCCL_OPS[op], dst, L.ptr)
+        return L.done(async_op)
 
-def _fold(rows, op):
-    acc = rows[0].clone()
-    for row in rows[1:]:
-        acc = _BITWISE[op](acc, row)
-    return acc
+    def allreduce(self, send_, recv_, op, async_op):
+        with _Launch(self, send_, recv_) as L:
+            if op in _BITWISE:
+                recv_.copy_(self._fold(self._gather_all(L, send_), op))
+            else:
+                L.comm.allreduce(send_.data_ptr(), recv_.data_ptr(), send_.numel(),
+                                 nccl_dtype(send_), NCCL_OPS[op], L.ptr)
+        return L.done(async_op)
 
+    def _gather_all(self, L, t):
+        """NCCL has no bitwise reductions: gather every rank's tensor, fold locally."""
+        out = torch.empty((self.group.size, t.numel()), dtype=t.dtype, device=t.device)
+        L.comm.allgather(t.data_ptr(), out.data_ptr(), t.numel(), nccl_dtype(t), L.ptr)
+        L.keep(out)
+        return out
 
-def allgather(send_, recv_, g, async_op):
-    with _Launch(g, send_, recv_) as L:
-        L.comm.allgather(send_.data_ptr(), recv_.data_ptr(), send_.numel(), nccl_dtype(send_),
-                         L.ptr)
-    return L.done(async_op)
+    @staticmethod
+    def _fold(rows, op):
+        acc = rows[0].clone()
+        for row in rows[1:]:
+            acc = _BITWISE[op](acc, row)
+        return acc
 
+    def allgather(self, send_, recv_, async_op):
+        with _Launch(self, send_, recv_) as L:
+            L.comm.allgather(send_.data_ptr(), recv_.data_ptr(), send_.numel(),
+                             nccl_dtype(send_), L.ptr)
+        return L.done(async_op)
 
-def reduce_scatter(send_, recv_, op, g, async_op):
-    with _Launch(g, send_, recv_) as L:
-        if op in _BITWISE:
-            rows = _gather_all(L, send_, g).view(g.size, g.size, -1)[:, g.rank]
-            recv_.view(-1).copy_(_fold(rows, op))
-        else:
-            L.comm.reduce_scatter(send_.data_ptr(), recv_.data_ptr(), recv_.numel(),
-                                  nccl_dtype(send_), NCCL_OPS[op], L.ptr)
-    return L.done(async_op)
+    def reduce_scatter(self, send_, recv_, op, async_op):
+        with _Launch(self, send_, recv_) as L:
+            if op in _BITWISE:
+                n = self.group.size
+                rows = self._gather_all(L, send_).view(n, n, -1)[:, self.group.rank]
+                recv_.view(-1).copy_(self._fold(rows, op))
+            else:
+                L.comm.reduce_scatter(send_.data_ptr(), recv_.data_ptr(), recv_.numel(),
+                                      nccl_dtype(send_), NCCL_OPS[op], L.ptr)
+        return L.done(async_op)
 
+    def _p2p(self, L, sends, recvs):
+        """Grouped send/recv: ``sends``/``recvs`` are (peer, tensor) pairs."""
+        def run():
+            for peer, t in sends:
+                if t.numel():
+                    L.comm.send(t.data_ptr(), t.numel(), nccl_dtype(t), peer, L.ptr)
+            for peer, t in recvs:
+                if t.numel():
+                    L.comm.recv(t.data_ptr(), t.numel(), nccl_dtype(t), peer, L.ptr)
 
-def _p2p(L, sends, recvs):
-    """Grouped send/recv: ``sends``/``recvs`` are (peer, tensor) pairs."""
-    def run():
-        for peer, t in sends:
-            if t.numel():
-                L.comm.send(t.data_ptr(), t.numel(), nccl_dtype(t), peer, L.ptr)
-        for peer, t in recvs:
-            if t.numel():
-                L.comm.recv(t.data_ptr(), t.numel(), nccl_dtype(t), peer, L.ptr)
+        _grouped(L.comm, run)
 
-    _grouped(L.comm, run)
+    def gather(self, send_, recv_, dst, async_op):
+        with _Launch(self, send_, recv_) as L:
+            if self.group.rank == dst:
+                parts = recv_.view(-1).chunk(self.group.size)
+                parts[dst].copy_(send_.view(-1))
+                self._p2p(L, [], [(r, parts[r]) for r in range(self.group.size) if r != dst])
+            else:
+                self._p2p(L, [(dst, send_)], [])
+        return L.done(async_op)
 
+    def scatter(self, send_, recv_, src, async_op):
+        with _Launch(self, send_, recv_) as L:
+            if self.group.rank == src:
+                parts = send_.view(-1).chunk(self.group.size)
+                recv_.view(-1).copy_(parts[src])
+                self._p2p(L, [(r, parts[r]) for r in range(self.group.size) if r != src], [])
+            else:
+                self._p2p(L, [], [(src, recv_)])
+        return L.done(async_op)
 
-def gather(send_, recv_, dst, g, async_op):
-    with _Launch(g, send_, recv_) as L:
-        if g.rank == dst:
-            parts = recv_.view(-1).chunk(g.size)
-            parts[dst].copy_(send_.view(-1))
-            _p2p(L, [], [(r, parts[r]) for r in range(g.size) if r != dst])
-        else:
-            _p2p(L, [(dst, send_)], [])
-    return L.done(async_op)
+    def alltoall(self, send_, recv_, async_op):
+        with _Launch(self, send_, recv_) as L:
+            n = self.group.size
+            s, r = send_.view(-1).chunk(n), recv_.view(-1).chunk(n)
+            self._p2p(L, [(p, s[p]) for p in range(n)], [(p, r[p]) for p in range(n)])
+        return L.done(async_op)
 
+    def alltoall_v(self, send_, send_counts, send_displs, recv_, recv_counts, recv_displs,
+                   async_op):
+        with _Launch(self, send_, recv_) as L:
+            s, r = send_.view(-1), recv_.view(-1)
+            self._p2p(L, [(p, s[d:d + c]) for p, (c, d) in enumerate(zip(send_counts, send_displs))],
+                      [(p, r[d:d + c]) for p, (c, d) in enumerate(zip(recv_counts, recv_displs))])
+        return L.done(async_op)
 
-def scatter(send_, recv_, src, g, async_op):
-    with _Launch(g, send_, recv_) as L:
-        if g.rank == src:
-            parts = send_.view(-1).chunk(g.size)
-            recv_.view(-1).copy_(parts[src])
-            _p2p(L, [(r, parts[r]) for r in range(g.size) if r != src], [])
-        else:
-            _p2p(L, [], [(src, recv_)])
-    return L.done(async_op)
+    def barrier(self, async_op):
+        return self.group._gloo.barrier(async_op)
 
+    # -- multi-phase collectives ----------------------------------------------------------------
+    def run(self, fn, tensors, async_op):
+        """Run ``fn`` with the group's stream current (torch and CuPy): its kernels and NCCL
+        calls are enqueued in order after the caller's pending work."""
+        with _Launch(self, *tensors) as L:
+            self._launch = L
+            try:
+                fn()
+            finally:
+                self._launch = None
+        return L.done(async_op)
 
-def alltoall(send_, recv_, g, async_op):
-    with _Launch(g, send_, recv_) as L:
-        s, r = send_.view(-1).chunk(g.size), recv_.view(-1).chunk(g.size)
-        _p2p(L, [(p, s[p]) for p in range(g.size)], [(p, r[p]) for p in range(g.size)])
-    return L.done(async_op)
-
-
-def alltoall_v(send_, send_counts, send_displs, recv_, recv_counts, recv_displs, g, async_op):
-    with _Launch(g, send_, recv_) as L:
-        s, r = send_.view(-1), recv_.view(-1)
-        _p2p(L, [(p, s[d:d + c]) for p, (c, d) in enumerate(zip(send_counts, send_displs))],
-             [(p, r[d:d + c]) for p, (c, d) in enumerate(zip(recv_counts, recv_displs))])
-    return L.done(async_op)
-
-
-# -- compressed allreduce ------------------------------------------------------------------
-def compressed_allreduce(send_, recv_, op, compressor, k, seg, key, g, async_op):
-    """The same scatter-reduce-gather as on gloo, all on the group's stream (CuPy kernels)."""
-    n = g.size
-    chunks = n * k
-    padded = seg * n
-    numel = send_.numel()
-    with _Launch(g, send_, recv_) as L:
-        buf = L.state.buffer
-        dev = send_.device
-        x = send_.detach().view(-1)
-        if padded != numel:
-            xp = buf("input", padded, send_.dtype, dev)
-            xp[:numel].copy_(x)
-            xp[numel:].zero_()
-            x = xp
-        payload = compressor.compress(x, chunks=chunks, key=f"{key}/scatter",
-                                      out=buf("payload", compressor.payload_numel(
-                                          padded, chunks=chunks), torch.uint8, dev))
-        received = buf("received", payload.numel(), torch.uint8, dev)
-        p, q = payload.chunk(n), received.chunk(n)
-        _p2p(L, [(j, p[j]) for j in range(n)], [(j, q[j]) for j in range(n)])
-        parts = buf("parts", padded, torch.float32, dev)
-        compressor.decompress(received, parts, chunks=chunks, dtype=send_.dtype)
-        mine = reduce_rows(parts.view(n, seg), op)
-        own = compressor.compress(mine.to(send_.dtype), chunks=k, key=f"{key}/gather",
-                                  out=buf("own", compressor.payload_numel(seg, chunks=k),
-                                          torch.uint8, dev))
-        gathered = buf("gathered", n * own.numel(), torch.uint8, dev)
-        L.comm.allgather(own.data_ptr(), gathered.data_ptr(), own.numel(), NCCL_DTYPES[torch.uint8],
-                         L.ptr)
-        out = recv_.detach().view(-1)
-        if padded != numel:
-            full = buf("output", padded, recv_.dtype, dev)
-            compressor.decompress(gathered, full, chunks=chunks)
-            out.copy_(full[:numel])
-        else:
-            compressor.decompress(gathered, out, chunks=chunks)
-        L.keep(x, payload, received, parts, own, gathered)
-    return L.done(async_op)
+    def exchange(self, recv_rows, send_rows):
+        n = self.group.size
+        self._p2p(self._launch, [(j, send_rows[j]) for j in range(n)],
+                  [(j, recv_rows[j]) for j in range(n)])

@@ -1,0 +1,201 @@
+"""The gloo backend: CPU tensors through torch.distributed's gloo process groups.
+
+Collectives call the torch process group object directly (``pg.allreduce([t], opts)``, as
+torch's own wrappers do after their argument checks, which our primitives have already made),
+so a call costs little more than gloo itself.  Group ranks are the torch group's ranks: a
+group's ranks are kept sorted, as torch keeps them.
+
+Each group has a second gloo group of the same ranks (``aux``) and one worker thread:
+multi-phase collectives (:func:`bagua_comm.compressed_allreduce`) run there, FIFO, over
+``aux``, so they never interleave with the primitives the caller issues meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from ..ops import ReduceOp, to_torch
+from ..work import finish
+from . import Backend
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class _FutureHandle:
+    def __init__(self, fut):
+        self._fut = fut
+
+    def wait(self):
+        self._fut.result()
+
+    def is_completed(self):
+        return self._fut.done()
+
+
+def _opts(cls, **fields):
+    o = cls()
+    for k, v in fields.items():
+        setattr(o, k, v)
+    return o
+
+
+class GlooBackend(Backend):
+    name = "gloo"
+
+    def __init__(self, group, torch_group, aux_torch_group):
+        super().__init__(group)
+        self.pg = torch_group
+        self.aux = aux_torch_group
+        self.size = group.size
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._reduce_opts = {op: _opts(dist.AllreduceOptions, reduceOp=to_torch(op))
+                             for op in ReduceOp}
+        self._rs_opts = {op: _opts(dist.ReduceScatterOptions, reduceOp=to_torch(op))
+                         for op in ReduceOp}
+        self._bcast_opts = [_opts(dist.BroadcastOptions, rootRank=r, rootTensor=0)
+                            for r in range(group.size)]
+        self._a2a_opts = dist.AllToAllOptions()
+        self._barrier_opts = dist.BarrierOptions()
+
+    # -- point to point -------------------------------------------------------------------------
+    def send(self, tensor, dst, async_op):
+        return finish([self.pg.send([tensor], dst, 0)], async_op=async_op)
+
+    def recv(self, tensor, src, async_op):
+        return finish([self.pg.recv([tensor], src, 0)], async_op=async_op)
+
+    # -- collectives ----------------------------------------------------------------------------
+    def broadcast(self, tensor, src, async_op):
+        return finish([self.pg.broadcast([tensor], self._bcast_opts[src])], async_op=async_op)
+
+    def _reduction(self, tensor, op, start):
+        """Start a reduction of ``tensor`` with ``start(buf) -> handle``; AVG is SUM and a
+        division at completion.  Should this torch's gloo lack a 16-bit float reduction, it
+        runs on a float32 copy (every rank takes the same path: the error comes from the
+        dtype, before anything is sent)."""
+        try:
+            h, buf = start(tensor), tensor
+        except RuntimeError as err:
+            if tensor.dtype not in _HALF or "type" not in str(err).lower():
+                raise
+            buf = tensor.float()
+            h = start(buf)
+        if op is not ReduceOp.AVG and buf is tensor:
+            return h, None
+        size = self.size
+
+        def then():
+            if op is ReduceOp.AVG:
+                buf.div_(size)
+            if buf is not tensor:
+                tensor.copy_(buf)
+
+        return h, then
+
+    def allreduce(self, send, recv, op, async_op):
+        if recv.data_ptr() != send.data_ptr():
+            recv.copy_(send)
+        opts = self._reduce_opts[op]
+        h, then = self._reduction(recv, op, lambda t: self.pg.allreduce([t], opts))
+        return finish([h], then, async_op)
+
+    def reduce(self, tensor, dst, op, async_op):
+        opts = _opts(dist.ReduceOptions, reduceOp=to_torch(op), rootRank=dst, rootTensor=0)
+        h, then = self._reduction(tensor, op, lambda t: self.pg.reduce([t], opts))
+        # Other ranks hold partial results: only dst averages (and copies back).
+        return finish([h], then if self.group.rank == dst else None, async_op)
+
+    def allgather(self, send, recv, async_op):
+        return finish([self.pg._allgather_base(recv, send)], async_op=async_op)
+
+    def gather(self, send, recv, dst, async_op):
+        me = self.group.rank
+        outs = [list(recv.chunk(self.size))] if me == dst else []
+        h = self.pg.gather(outs, [send], _opts(dist.GatherOptions, rootRank=dst))
+        return finish([h], async_op=async_op)
+
+    def scatter(self, send, recv, src, async_op):
+        me = self.group.rank
+        ins = [list(send.chunk(self.size))] if me == src else []
+        h = self.pg.scatter([recv], ins, _opts(dist.ScatterOptions, rootRank=src))
+        return finish([h], async_op=async_op)
+
+    def reduce_scatter(self, send, recv, op, async_op):
+        opts = self._rs_opts[op]
+        try:
+            h, buf = self.pg._reduce_scatter_base(recv, send, opts), recv
+        except RuntimeError as err:
+            if send.dtype not in _HALF or "type" not in str(err).lower():
+                raise
+            buf = torch.empty(recv.numel(), dtype=torch.float32)
+            h = self.pg._reduce_scatter_base(buf, send.float(), opts)
+        if op is not ReduceOp.AVG and buf is recv:
+            return finish([h], None, async_op)
+        size = self.size
+
+        def then():
+            if op is ReduceOp.AVG:
+                buf.div_(size)
+            if buf is not recv:
+                recv.copy_(buf)
+
+        return finish([h], then, async_op)
+
+    def alltoall(self, send, recv, async_op):
+        return finish([self.pg.alltoall_base(recv, send, [], [], self._a2a_opts)],
+                      async_op=async_op)
+
+    def alltoall_v(self, send, send_counts, send_displs, recv, recv_counts, recv_displs,
+                   async_op):
+        packed_send = torch.cat([send[d:d + c] for c, d in zip(send_counts, send_displs)])
+        packed_recv = torch.empty(sum(recv_counts), dtype=recv.dtype)
+        h = self.pg.alltoall_base(packed_recv, packed_send, list(recv_counts),
+                                  list(send_counts), self._a2a_opts)
+
+        def then():
+            off = 0
+            for c, d in zip(recv_counts, recv_displs):
+                recv[d:d + c].copy_(packed_recv[off:off + c])
+                off += c
+
+        return finish([h], then, async_op)
+
+    def barrier(self, async_op):
+        return finish([self.pg.barrier(self._barrier_opts)], async_op=async_op)
+
+    # -- multi-phase collectives ----------------------------------------------------------------
+    def run(self, fn, tensors, async_op):
+        """Run ``fn`` on the group's single worker thread (FIFO: the same order on every
+        rank, which keeps multi-phase collectives matched across ranks)."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"bagua-comm-{self.group.ranks[:4]}")
+            fut = self._executor.submit(fn)
+        return finish([_FutureHandle(fut)], async_op=async_op)
+
+    def exchange(self, recv_rows, send_rows):
+        """Every receive is posted before the first send, so each rank's "ready to receive"
+        notice leaves ahead of its bulk data and both directions of every link carry data
+        at once.  (A gloo sender waits for its peer's notice, which travels on the same TCP
+        connection as that peer's own outgoing data: with gloo's ``all_to_all`` a notice
+        could wait behind a whole message, and the two directions of a link took turns.)"""
+        me = self.group.rank
+        peers = [j for j in range(self.size) if j != me]
+        works = [self.aux.recv([recv_rows[j]], j, 0) for j in peers]
+        works += [self.aux.send([send_rows[j]], j, 0) for j in peers]
+        recv_rows[me].copy_(send_rows[me])
+        for w in works:
+            w.wait()
+
+    def close(self, abort: bool = False) -> None:
+        with self._lock:
+            ex, self._executor = self._executor, None
+        if ex is not None:
+            ex.shutdown(wait=not abort)
+        super().close(abort)
