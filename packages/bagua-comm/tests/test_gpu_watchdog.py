@@ -41,7 +41,7 @@ def held_back_allreduce(store, seconds):
     comm = g.nccl_comm()
     assert comm.async_error() == 0 and comm.watch is not None and comm.watch.error is None
     cycles = spin_cycles(seconds)
-    with torch.cuda.stream(torch.cuda.ExternalStream(g.nccl_stream().ptr)):
+    with torch.cuda.stream(torch.cuda.ExternalStream(g._nccl.stream().ptr)):
         torch.cuda._sleep(cycles)                  # holds back what follows on that stream
     return comm, x, bc.allreduce_inplace(x, async_op=True)
 """
