@@ -9,6 +9,8 @@ order, which the algorithms do during initialisation.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import warnings
 from datetime import timedelta
@@ -277,6 +279,8 @@ def init_process_group(backend: str = "auto", *, store=None, rank=None, world_si
         _state.cuda_device = local_rank % torch.cuda.device_count()
         torch.cuda.set_device(_state.cuda_device)
     _state.generation += 1
+    atexit.unregister(_release_at_exit)
+    atexit.register(_release_at_exit)
     _state.backend = backend
     _state.local_world_size = local_world_size
     _state.timeout = timeout
@@ -306,6 +310,16 @@ def destroy_process_group() -> None:
     if _state.owns_torch_pg and dist.is_initialized():
         dist.destroy_process_group()
     _state.__init__()
+    gc.collect()  # torch's groups go now, not at interpreter exit (see GlooBackend.close)
+
+
+def _release_at_exit() -> None:
+    """A script that never called destroy_process_group(): release our groups before the
+    interpreter tears down (gloo aborts the process if its groups die during finalisation)."""
+    try:
+        destroy_process_group()
+    except Exception:  # nothing to report to at exit
+        pass
 
 
 def _default() -> ProcessGroup:

@@ -198,4 +198,8 @@ class GlooBackend(Backend):
             ex, self._executor = self._executor, None
         if ex is not None:
             ex.shutdown(wait=not abort)
+        # Let go of torch's process groups now: held on (the group and its backends form a
+        # reference cycle) they would be destroyed at interpreter exit, where gloo's
+        # destructor aborts the process ("terminate called without an active exception").
+        self.pg = self.aux = None
         super().close(abort)
