@@ -192,17 +192,24 @@ def test_peer_exchanges_post_every_receive_before_any_send(monkeypatch):
     assert calls == [("recv", 3), ("send", 3)]
 
     class Codec:  # identity "compression": only the order of the exchange matters here
-        def compress(self, t):
-            return t.clone()
+        def payload_numel(self, numel):
+            return numel
+
+        def compress(self, t, key=None, out=None):
+            out.copy_(t)
+            return out
 
         def decompress(self, payload, out):
             out.copy_(payload)
 
-    for method, args in (("_ring_step", (0, torch.ones(4))), ("_resync_replicas", (0,))):
+    bucket = SimpleNamespace(numel=4, name="b0")
+    for method, args in (("_ring_step", (0, torch.ones(4), bucket)), ("_resync_replicas", (0,))):
         calls.clear()
-        impl = SimpleNamespace(ring=SimpleNamespace(rank=1, size=3), mine=[torch.zeros(4)],
-                               left=[torch.zeros(4)], right=[torch.zeros(4)],
-                               compressor=Codec())
+        state = SimpleNamespace(mine=[torch.zeros(4)], left=[torch.zeros(4)],
+                                right=[torch.zeros(4)], diff=[torch.zeros(4)],
+                                decoded=[torch.zeros(4)], payload=[None], from_left=[None],
+                                from_right=[None], compressor=Codec())
+        impl = SimpleNamespace(ring=SimpleNamespace(rank=1, size=3), state=state)
         getattr(lpd.LowPrecisionDecentralizedImpl, method)(impl, *args)
         kinds = [k for k, _ in calls]
         assert sorted(calls) == [("recv", 0), ("recv", 2), ("send", 0), ("send", 2)], method
