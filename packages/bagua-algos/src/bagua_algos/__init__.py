@@ -1,4 +1,4 @@
-"""bagua_algos: with_bagua() and the Bagua algorithms (DESIGN.md section 5).
+"""bagua_algos: with_bagua() and the Bagua algorithms.
 
     import bagua_comm as bc
     from bagua_algos import with_bagua, GradientAllReduce

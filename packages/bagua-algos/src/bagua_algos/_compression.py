@@ -45,10 +45,12 @@ def make_compressor(compressor, chunks: int, error_feedback: bool = False):
 
 def alignment(compressor, peers: int) -> int:
     """Elements a bucket is padded to so that ``compressed_allreduce`` needs no padding copy:
-    a multiple of the compressor's ``chunks`` (and of the peer count)."""
+    a multiple of the compressor's ``alignment(chunks)`` (and of the peer count)."""
     chunks = getattr(compressor, "chunks", None)
     if not isinstance(chunks, int) or chunks < 1:
         chunks = 1
+    else:
+        chunks = compressor.alignment(chunks)   # the compressor's element multiple
     return chunks * peers // math.gcd(chunks, peers)
 
 

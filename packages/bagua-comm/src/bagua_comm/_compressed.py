@@ -9,15 +9,18 @@ With ``n`` ranks and a compressor of ``chunks = n * K`` chunks, each rank
 3. re-compresses its reduced segment into ``K`` records and allgathers them;
 4. decodes all ``n * K`` gathered records into ``recv``.
 
-Every rank ends with the same bytes, so the same ``recv``.  The input is zero-padded to a
-multiple of ``chunks`` elements internally.  The sequence is written once, over the backend
-interface (``_backends``): it runs in the backend's ``run`` context (gloo: the group's worker
-thread and auxiliary group, so ``async_op=True`` overlaps it with the caller's work and
-other primitives; NCCL: the group's CUDA stream), exchanges with the backend's ``exchange``
-and keeps its buffers in the group's scratch pool, reused call after call.
+Every rank ends with the same bytes, so the same ``recv``.  The input is zero-padded
+internally to the compressor's ``alignment`` (for ``chunks`` and for ``K``).  The sequence is
+written once, over the backend interface (``_backends``): it runs in the backend's ``run``
+context (gloo: the group's worker thread and auxiliary group, so ``async_op=True`` overlaps
+it with the caller's work and other primitives; NCCL: the group's CUDA stream), exchanges
+with the backend's ``exchange`` and keeps its buffers in the group's scratch pool, reused
+call after call.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -70,7 +73,8 @@ def compressed_allreduce(send, recv, op=ReduceOp.AVG, compressor=None, *, key="a
     if send.numel() == 0:
         return finish([], async_op=async_op)
     k = chunks // g.size
-    seg = -(-send.numel() // chunks) * k  # elements per rank's segment, after padding
+    unit = _unit(compressor, chunks, k, g.size)
+    seg = -(-send.numel() // unit) * unit // g.size  # elements per rank's segment, padded
     sent = (compressor.payload_numel(seg * g.size, chunks=chunks) * (g.size - 1) // g.size
             + compressor.payload_numel(seg, chunks=k) * (g.size - 1))
     traffic.record("compressed_allreduce", sent)
@@ -81,6 +85,17 @@ def compressed_allreduce(send, recv, op=ReduceOp.AVG, compressor=None, *, key="a
         recv = recv.detach()
     return be.run(lambda: _run(be, send, recv, op, compressor, k, seg, key), (send, recv),
                   async_op)
+
+
+def _unit(compressor, chunks, k, n):
+    """The element multiple the input is padded to: whole inputs in ``chunks`` chunks and
+    per-rank segments in ``k`` chunks must both meet the compressor's ``alignment``."""
+    whole, part = compressor.alignment(chunks), compressor.alignment(k)
+    for c, a in ((chunks, whole), (k, part)):
+        if isinstance(a, bool) or not isinstance(a, int) or a < 1 or a % c:
+            raise ValueError(f"{type(compressor).__name__}.alignment({c}) must return a "
+                             f"positive multiple of {c}, got {a!r}")
+    return math.lcm(whole, n * part)
 
 
 def _run(be, send, recv, op, compressor, k, seg, key):

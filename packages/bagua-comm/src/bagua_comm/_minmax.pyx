@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""CPU kernels of the MinMaxUInt8 format (DESIGN.md section 4), without the GIL.
+"""CPU kernels of the MinMaxUInt8 format (see ``compression.py``), without the GIL.
 
 Inputs are float32 (``float``) or 16-bit floats passed as their raw bits (``uint16_t``:
 float16 through a lookup table, bfloat16 by a shift); every value is widened to float32

@@ -8,7 +8,7 @@ A compressor turns a flat float tensor into a ``uint8`` payload and back::
     payload, ctx = c.pack(x)                # compress with a context ...
     y = c.unpack(payload, ctx)              # ... that knows dtype, shape and device
 
-Format (DESIGN.md section 4).  The tensor is split into ``chunks`` equal chunks.  Per chunk,
+Format.  The tensor is split into ``chunks`` equal chunks.  Per chunk,
 with ``eps = 1e-7`` and every operation in float32::
 
     scale = 255 / (max - min + eps)
@@ -58,12 +58,43 @@ class Context(NamedTuple):
 
 
 class Compressor:
-    """Base class: ``compress(tensor) -> payload`` and ``decompress(payload, out)``.
+    """Base class of compressors; subclass it to write your own.
 
-    Subclasses implement :meth:`compress`, :meth:`decompress` and :meth:`payload_numel`;
+    The contract :func:`bagua_comm.compressed_allreduce` and bagua-algos' ``compressor=``
+    (ByteGrad, LowPrecisionDecentralized, QAdam) rely on:
+
+    * ``chunks`` (attribute, int): the default number of equal chunks an input is split into.
+      ``compressed_allreduce`` needs it to be a multiple of the group size; it compresses each
+      rank's whole input with ``chunks=self.chunks`` and each rank's reduced segment with
+      ``chunks=self.chunks // group_size``.
+    * ``payload_numel(numel, *, chunks=None) -> int``: the number of ``uint8`` payload bytes
+      for an input of ``numel`` elements in ``chunks`` chunks (``None``: ``self.chunks``).
+      Chunk ``i``'s bytes must be the ``i``-th of ``chunks`` equal, contiguous slices of the
+      payload: ``compressed_allreduce`` sends slice ``j`` to rank ``j`` and decodes
+      concatenated slices from several ranks as one payload.
+    * ``alignment(chunks) -> int``: the element multiple an input compressed in ``chunks``
+      chunks must have (a multiple of ``chunks``; default ``chunks``).  ``compressed_allreduce``
+      zero-pads its input to it; bagua-algos sizes its buckets to it so no padding copy is made.
+    * ``compress(tensor, *, chunks=None, key="default", out=None) -> payload``: a contiguous
+      flat ``uint8`` tensor on ``tensor``'s device, written into ``out`` (a contiguous uint8
+      tensor of ``payload_numel`` bytes) when given, and returned.  ``key`` names the tensor
+      for error feedback (one key per tensor); it must not modify ``tensor``.
+    * ``decompress(payload, out, *, chunks=None, dtype=None) -> out``: decodes into ``out``
+      (a contiguous float tensor of the input's numel, possibly float32 when the input was
+      16-bit) and returns it; ``dtype`` is the dtype the payload was compressed from
+      (default ``out.dtype``).
+    * ``state_dict()`` / ``load_state_dict(state)``: the compressor's state (error-feedback
+      residuals) for checkpoints.  Keep residuals as ``state_dict()["residuals"]``, a dict of
+      float32 tensors by ``key``, and bagua-algos carries them across re-bucketing and
+      resumes at another bucket size; stateless compressors keep the default (``{}``).
+
     :meth:`pack`/:meth:`unpack` add the context (dtype, shape, device) so the receiver of a
-    payload needs nothing else.  Stateful compressors override the state-dict pair.
+    payload needs nothing else.
     """
+
+    def alignment(self, chunks: int) -> int:
+        """The element multiple an input compressed in ``chunks`` chunks must have."""
+        return chunks
 
     def compress(self, tensor: torch.Tensor, **kwargs) -> torch.Tensor:
         raise NotImplementedError
@@ -121,6 +152,10 @@ class MinMaxUInt8(Compressor):
         chunks = self._chunks(chunks)
         _check_divisible(numel, chunks)
         return chunks * record_bytes(numel // chunks)
+
+    def alignment(self, chunks: int) -> int:
+        """Inputs split into ``chunks`` equal chunks: a multiple of ``chunks``."""
+        return self._chunks(chunks)
 
     # -- compress / decompress ----------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, *, chunks: int | None = None,

@@ -1,4 +1,4 @@
-"""bagua_data: load-balanced distributed samplers (DESIGN.md section 7).
+"""bagua_data: load-balanced distributed samplers.
 
 ``LoadBalancingDistributedSampler`` follows ``torch.utils.data.DistributedSampler``'s contract
 and orders samples so that every rank's i-th sample has near-equal complexity;

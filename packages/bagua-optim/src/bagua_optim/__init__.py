@@ -1,4 +1,4 @@
-"""bagua_optim: a generic fused optimizer for any torch optimizer (DESIGN.md section 6).
+"""bagua_optim: a generic fused optimizer for any torch optimizer.
 
 ``fuse_optimizer(optimizer)`` keeps parameters, gradients and optimizer state of each param
 group (per dtype and device) in flat storage and runs the optimizer's own update once per
