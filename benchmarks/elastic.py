@@ -46,6 +46,8 @@ def parse_args(argv=None):
     ap.add_argument("--mbit", type=float, default=None, help="link rate (default unshaped)")
     ap.add_argument("--out", default="out/elastic")
     ap.add_argument("--name", default="el", help="testbed name")
+    ap.add_argument("--no-rejoin", dest="rejoin", action="store_false",
+                    help="lose host 2 and finish at 2 hosts (do not bring it back)")
     args = ap.parse_args(argv)
     q = args.quick
     args.timeout = args.timeout or (5.0 if q else 10.0)
@@ -124,11 +126,15 @@ def run_scenario(args) -> dict:
         procs[LOST].wait(timeout=30)
         ev = wait_for(lambda ev: len(steps_at(ev, 2, marks["kill"])) >= args.grow_after,
                       events, 120 + 4 * args.timeout, "training to resume at 2 hosts", procs)
-        tb.set_link(LOST, True)
-        marks["rejoin"] = time.time()
-        procs[LOST] = launch(tb, LOST, args, outdir)
-        wait_for(lambda ev: any(e["event"] == "done" for e in ev), events, 300,
-                 "the job to finish", procs)
+        if args.rejoin:
+            tb.set_link(LOST, True)
+            marks["rejoin"] = time.time()
+            procs[LOST] = launch(tb, LOST, args, outdir)
+        try:
+            wait_for(lambda ev: any(e["event"] == "done" for e in ev), events, 300,
+                     "the job to finish", procs)
+        except RuntimeError as err:   # reported (finished: false), not a crash of the tool
+            print(f"the job did not finish: {err}")
         for p in procs:
             try:
                 p.wait(timeout=60)
@@ -141,18 +147,21 @@ def run_scenario(args) -> dict:
 
 def committed_steps(ev: list[dict]) -> list[dict]:
     """Step records that count: each launch's steps up to the checkpoint the next launch
-    resumed from (later ones were redone), keyed by (launch start time)."""
-    launches = sorted({(e["restart"], e["world"]) for e in ev if e["event"] == "start"},
-                      key=lambda k: min(e["t"] for e in ev if e["event"] == "start"
-                                        and (e["restart"], e["world"]) == k))
+    resumed from (later ones were redone).  A launch is the set of worker processes that
+    started from the same checkpoint at the same world size (torchrun's restart counters are
+    per agent, so they do not identify it); launches are ordered by start time."""
+    starts = [e for e in ev if e["event"] == "start"]
+    launch_of = {e["pid"]: (e["step"], e["world"]) for e in starts}
+    first = {}
+    for e in starts:
+        key = launch_of[e["pid"]]
+        first[key] = min(first.get(key, e["t"]), e["t"])
+    order = sorted(first, key=first.get)
     keep = []
-    for n, key in enumerate(launches):
-        mine = [e for e in ev if e["event"] == "step" and (e["restart"], e["world"]) == key]
-        if n + 1 < len(launches):
-            nxt = launches[n + 1]
-            resumed = min(e["step"] for e in ev if e["event"] == "start"
-                          and (e["restart"], e["world"]) == nxt)
-            mine = [e for e in mine if e["step"] <= resumed]
+    for n, key in enumerate(order):
+        mine = [e for e in ev if e["event"] == "step" and launch_of.get(e["pid"]) == key]
+        if n + 1 < len(order):
+            mine = [e for e in mine if e["step"] <= order[n + 1][0]]
         keep += mine
     return keep
 
@@ -174,11 +183,11 @@ def sample_accounting(ev: list[dict], samples: int) -> dict:
 
 
 def analyse(ev: list[dict], marks: dict, t0: float, args) -> dict:
-    kill, rejoin = marks["kill"], marks["rejoin"]
+    kill, rejoin = marks["kill"], marks.get("rejoin")
     errors = [e for e in ev if e["event"] == "error" and e["t"] > kill]
     at2 = steps_at(ev, 2, kill)
     start2 = starts(ev, 2, kill)
-    at3 = steps_at(ev, 3, rejoin)
+    at3 = steps_at(ev, 3, rejoin) if rejoin else []
     before = [e for e in ev if e["event"] == "step" and e["t"] <= kill and e["rank"] == 0]
     last_step = max(e["step"] for e in before)
     resumed_from = min(e["step"] for e in start2) if start2 else None
@@ -187,6 +196,7 @@ def analyse(ev: list[dict], marks: dict, t0: float, args) -> dict:
     after_losses = [e["loss"] for e in at2 if e["rank"] == 0][:5]
     result = {
         "config": {"algorithm": args.algorithm, "timeout_s": args.timeout, "hosts": N_HOSTS,
+                   "rejoin": args.rejoin,
                    "min_hosts": 2, "checkpoint_every": args.every, "quick": args.quick,
                    "mbit": args.mbit, "steps": args.steps},
         "detect_s": min(e["t"] for e in errors) - kill if errors else None,
@@ -229,12 +239,14 @@ def plot(result: dict, path: Path) -> None:
         ax.annotate(f"resumed at 2 after {result['resume_s']:.1f}s\n(detected after "
                     f"{result['detect_s']:.1f}s)", (t, 0.85), xycoords=("data", "axes fraction"),
                     xytext=(3, 0), textcoords="offset points", fontsize=8)
-    ax.axvline(m["rejoin"], color="green", ls="--", lw=1)
-    ax.annotate("host 2 back", (m["rejoin"], 0.6), xycoords=("data", "axes fraction"),
-                xytext=(3, 0), textcoords="offset points", color="green", fontsize=8)
+    if "rejoin" in m:
+        ax.axvline(m["rejoin"], color="green", ls="--", lw=1)
+        ax.annotate("host 2 back", (m["rejoin"], 0.6), xycoords=("data", "axes fraction"),
+                    xytext=(3, 0), textcoords="offset points", color="green", fontsize=8)
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel("training loss (rank 0, per step)")
-    ax.set_title(f"elastic {result['config']['algorithm']}: 3 hosts → 2 → 3 "
+    path_ = "3 hosts → 2 → 3" if "rejoin" in m else "3 hosts → 2"
+    ax.set_title(f"elastic {result['config']['algorithm']}: {path_} "
                  f"(timeout {result['config']['timeout_s']:g}s, checkpoint every "
                  f"{result['config']['checkpoint_every']} steps)")
     ax.legend(loc="upper right")

@@ -84,7 +84,7 @@ class Events:
         if self.path is None:
             return
         rec = {"event": event, "t": time.time(), "rank": self.rank, "world": self.world,
-               "restart": self.restart, **fields}
+               "restart": self.restart, "pid": os.getpid(), **fields}
         with open(self.path, "a") as f:  # one short write per line: lines stay whole
             f.write(json.dumps(rec) + "\n")
 
