@@ -236,9 +236,10 @@ def plot(result: dict, path: Path) -> None:
     if result["resume_s"] is not None:
         t = m["kill"] + result["resume_s"]
         ax.axvspan(m["kill"], t, color="red", alpha=0.08)
-        ax.annotate(f"resumed at 2 after {result['resume_s']:.1f}s\n(detected after "
-                    f"{result['detect_s']:.1f}s)", (t, 0.85), xycoords=("data", "axes fraction"),
-                    xytext=(3, 0), textcoords="offset points", fontsize=8)
+        ax.annotate(f"detected after {result['detect_s']:.1f}s,\nresumed at 2 hosts after "
+                    f"{result['resume_s']:.1f}s", (m["kill"], 0.5),
+                    xycoords=("data", "axes fraction"), xytext=(6, 0),
+                    textcoords="offset points", fontsize=8)
     if "rejoin" in m:
         ax.axvline(m["rejoin"], color="green", ls="--", lw=1)
         ax.annotate("host 2 back", (m["rejoin"], 0.6), xycoords=("data", "axes fraction"),
@@ -249,7 +250,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title(f"elastic {result['config']['algorithm']}: {path_} "
                  f"(timeout {result['config']['timeout_s']:g}s, checkpoint every "
                  f"{result['config']['checkpoint_every']} steps)")
-    ax.legend(loc="upper right")
+    ax.legend(loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -275,7 +276,7 @@ def main(argv=None) -> int:
           f"grow to 3 {fmt(result['grow_s'])} s")
     print(f"  steps lost {result['steps_lost']} (killed after step {result['steps_before_kill']},"
           f" resumed from {result['resumed_from_step']})")
-    print(f"  loss at checkpoint {fmt(result['loss_at_checkpoint'])}... -> first after resume "
+    print(f"  loss at checkpoint {fmt(result['loss_at_checkpoint'])} -> first after resume "
           f"{fmt(result['loss_after_resume'])}")
     print(f"  samples: {s['epochs_checked']} completed epoch(s), {s['missing']} missed, "
           f"{s['extra']} repeated; finished: {result['finished']}")
