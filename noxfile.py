@@ -9,6 +9,9 @@
     nox -t ci                    everything CI runs (README's test command)
     nox -s docs                  the documentation site (mkdocs build --strict)
     nox -s bench | demo | gpu    benchmarks, the main job, GPU tests (gpu is off by default)
+    nox -s lowest-bagua-data     the package's declared floors (``torch>=2.4`` -> ``torch==2.4``)
+                                 as pip constraints, then its tests; ``nox -t lowest`` for all
+                                 (not in CI: old torch on PyPI is a multi-GB CUDA build)
 
 Arguments after ``--`` reach pytest (or the benchmark script).  Torch is always installed
 first from ``BAGUA_NOX_TORCH`` (default ``torch==2.13.0``: the local CPU wheel here), so no
@@ -18,9 +21,11 @@ unpinned requirement can pull a CUDA build.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import nox
+import tomllib
 
 ROOT = Path(__file__).parent
 PACKAGES = ["bagua-comm", "bagua-algos", "bagua-optim", "bagua-data", "bagua-net"]
@@ -139,6 +144,46 @@ def _make_build(package: str):
 for _p in PACKAGES:
     nox.session(name=f"tests-{_p}", tags=["tests", "ci"])(_make_tests(_p))
     nox.session(name=f"build-{_p}", tags=["build"])(_make_build(_p))
+
+
+def _floors(package: str) -> list[str]:
+    """``name==X`` for each runtime dependency of ``package`` declared as ``name>=X``."""
+    meta = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+    pins = []
+    for req in meta["project"].get("dependencies", []):
+        m = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*>=\s*([0-9][^,;\s]*)\s*", req.split(";")[0])
+        if m and m.group(1) not in SIBLINGS.get(package, []):
+            pins.append(f"{m.group(1)}=={m.group(2)}")
+    return pins
+
+
+def _make_lowest(package: str):
+    def lowest(session: nox.Session) -> None:
+        pins = [pin for p in [*SIBLINGS.get(package, []), package] for pin in _floors(p)]
+        constraints = Path(session.create_tmp()) / "constraints-lowest.txt"
+        constraints.write_text("".join(f"{pin}\n" for pin in pins))
+        session.log(f"lowest versions: {', '.join(pins) or 'none declared'}")
+        # The pins first, alone, so that pip cannot pick anything newer for them.
+        if pins:
+            session.install(*pins)
+        for sib in SIBLINGS.get(package, []):
+            session.install("-c", str(constraints), _pkg(sib))
+        session.install("-c", str(constraints),
+                        f"{_pkg(package)}[{TEST_EXTRAS.get(package, 'test')}]")
+        session.run("python", "-c", "import importlib.metadata as m, sys; "
+                    "[print(n, m.version(n)) for n in sys.argv[1:]]",
+                    *[pin.split("==")[0] for pin in pins], silent=False)
+        if package in NEEDS_NCCL and NCCL != "0":
+            session.install("-c", str(constraints), NCCL)
+        _pytest(session, f"packages/{package}/tests")
+
+    lowest.__doc__ = (f"{package} against the lowest versions its pyproject declares "
+                      "(each '>=X' pinned to '==X'), then its tests.")
+    return lowest
+
+
+for _p in PACKAGES:
+    nox.session(name=f"lowest-{_p}", tags=["lowest"])(_make_lowest(_p))
 
 
 @nox.session(tags=["ci"])
