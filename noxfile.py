@@ -25,7 +25,6 @@ import re
 from pathlib import Path
 
 import nox
-import tomllib
 
 ROOT = Path(__file__).parent
 PACKAGES = ["bagua-comm", "bagua-algos", "bagua-optim", "bagua-data", "bagua-net"]
@@ -148,6 +147,8 @@ for _p in PACKAGES:
 
 def _floors(package: str) -> list[str]:
     """``name==X`` for each runtime dependency of ``package`` declared as ``name>=X``."""
+    import tomllib  # Python >= 3.11; only this session needs it (nox itself runs on 3.10)
+
     meta = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
     pins = []
     for req in meta["project"].get("dependencies", []):
