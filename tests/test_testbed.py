@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -212,8 +213,10 @@ def _torchrun_job(tb, script, nproc_per_node: int) -> list[dict]:
     results = []
     for host, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, out[-3000:]
-        results += [{**json.loads(ln.split(" ", 1)[1]), "host": host}
-                    for ln in out.splitlines() if ln.startswith("RESULT ")]
+        # Two processes of a host share torchrun's stdout: lines may run together, so take
+        # every "RESULT {...}" record wherever it is (the records hold no nested braces).
+        results += [{**json.loads(rec), "host": host}
+                    for rec in re.findall(r"RESULT (\{[^{}]*\})", out)]
     return results
 
 
