@@ -6,8 +6,11 @@ compute-only step time on a private copy, wraps the model, warms up, then times 
 ``--steps`` steps (AsyncModelAverage: until the window holds ``--async-min-rounds`` averaging
 rounds, so its figures include its communication) and keeps training until the wall budget
 (``--wall-seconds``, at least ``--budget-factor`` x DDP's time for ``--steps`` steps), with
-the held-out loss evaluated every ``--steps``/4 steps (the clock paused): the loss-against-time
-curve that time to DDP's loss is read from.  Rank 0 writes ``<out>/<row>.json``; progress
+the weights snapshotted every ``--eval-every`` steps (default: every step; the clock paused for
+the copy, about a millisecond) and their held-out loss evaluated after the run: the
+loss-against-time curve that time to DDP's loss is read from.  Evaluating after the run, not
+inside it, keeps AsyncModelAverage's background averaging from getting free time while the
+clock is paused.  Rank 0 writes ``<out>/<row>.json``; progress
 goes to ``<out>/progress``.  A row bagua_algos does not provide is written as unavailable
 (every rank sees the same registry, so nobody waits on a collective).
 """
@@ -94,6 +97,20 @@ def _evaluate(model, batches) -> float:
     return loss
 
 
+def _snapshot(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _evaluate_snapshots(size: str, seed: int, snapshots, evalset) -> list:
+    """[step, training seconds, held-out loss] for each snapshot, in order."""
+    probe = make_model(size, seed=seed)
+    evals = []
+    for step, elapsed, state in snapshots:
+        probe.load_state_dict(state)
+        evals.append([step, elapsed, _evaluate(probe, evalset)])
+    return evals
+
+
 def _tx_bytes(ifname: str | None) -> int:
     if not ifname:
         return 0
@@ -143,9 +160,9 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
     rounds0 = _async_rounds(wrapped)
     t0 = time.perf_counter()
     paused = 0.0
-    times, losses, evals = [], [], []
+    times, losses, snapshots = [], [], []
     rec: dict = {}
-    every = max(1, args.steps // 4)
+    every = max(1, args.eval_every)
     i = 0
     target = None  # steps to run, agreed by every rank once the timed window has ended
     while True:
@@ -154,12 +171,9 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
         elapsed = time.perf_counter() - t0 - paused
         times.append(elapsed)
         if i % every == 0 or i == args.steps:
-            # Held-out loss (local, no collective), the clock paused.
+            # The weights (local, no collective), the clock paused; evaluated after the run.
             p = time.perf_counter()
-            loss = _evaluate(model, evalset)
-            evals.append([i, elapsed, loss])
-            if i == args.steps:
-                rec["eval_loss"] = loss
+            snapshots.append((i, elapsed, _snapshot(model)))
             paused += time.perf_counter() - p
         if target is None and i >= args.steps:
             more = False
@@ -201,6 +215,8 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
             break
     if name == "async" and hasattr(wrapped, "abort"):
         wrapped.abort()
+    evals = _evaluate_snapshots(args.size, args.seed, snapshots, evalset)
+    rec["eval_loss"] = next(loss for step, _, loss in evals if step == args.steps)
     rec.update(times=times, losses=losses, evals=evals, compute_s=compute_s)
     dist.barrier(group=harness)
     return rec
@@ -264,6 +280,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ddp-seconds", type=float, default=0.0,
                     help="DDP's time for --steps steps when DDP ran in an earlier job")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-every", type=int, default=1,
+                    help="snapshot the weights for the held-out loss curve every this many steps")
     ap.add_argument("--ifname", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
