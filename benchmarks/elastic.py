@@ -55,8 +55,10 @@ def parse_args(argv=None):
     args.every = 8 if q else 20                  # checkpoint interval (steps)
     args.kill_at = 30 if q else 90               # lose host 2 after this step (world 3)
     args.grow_after = 12 if q else 40            # bring it back after this many steps at 2
-    args.steps = 90 if q else 300
-    args.sleep = 0.05
+    # Paced at <= 10 steps/s so that the job is still running when host 2 is back: the 2
+    # hosts train on until its torchrun (a few seconds to import torch) is in the rendezvous.
+    args.steps = 200 if q else 600
+    args.sleep = 0.1
     return args
 
 
@@ -89,10 +91,22 @@ def launch(tb: Testbed, i: int, args, outdir: Path) -> subprocess.Popen:
               "--checkpoint-dir", outdir / "ckpt", "--checkpoint-every", args.every,
               "--samples", args.samples, "--timeout", args.timeout,
               "--step-sleep", args.sleep, "--events", outdir / "events.jsonl"]
+    # c10d rendezvous hosted by host 0's agent; a round completes 2 s after the 2nd node is
+    # in (last_call) or at once with the 3rd; a node lost is dropped from the rendezvous after
+    # torchrun's keep-alive (3 missed 5 s heartbeats), which is most of the time to resume.
     argv = tb.torchrun_argv(i, worker, nnodes=f"2:{N_HOSTS}", rdzv_id="elastic",
                             rdzv_conf="last_call_timeout=2,join_timeout=120",
                             extra=["--max-restarts", "5", "--monitor-interval", "0.5"])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it torchrun (its default since mid-2024; torch 2.13 here) gives the
+    # workers the store its first rank-0 agent created and keeps it for the whole job. Then
+    # (1) a node joining later waits for MASTER_ADDR/MASTER_PORT, which only a *first* round
+    # writes: it times out, and the others time out in _assign_worker_ranks waiting for its
+    # role_info (the grow back never happens); (2) each restart's workers find the previous
+    # launch's gloo addresses under the same keys ("default_pg/0/..."), and whoever reads
+    # one before its peer overwrites it gets "connectFullMesh ... Connection refused". With
+    # it, every round's rank 0 publishes a fresh address and its worker 0 hosts a new store.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", LOGLEVEL="INFO",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     log = open(outdir / f"host{i}.log", "a")  # noqa: SIM115 (lives as long as the process)
     return tb.popen(i, argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                     start_new_session=True)
@@ -194,6 +208,21 @@ def analyse(ev: list[dict], marks: dict, t0: float, args) -> dict:
     ck_losses = [e["loss"] for e in before if resumed_from and
                  resumed_from - 5 < e["step"] <= resumed_from]
     after_losses = [e["loss"] for e in at2 if e["rank"] == 0][:5]
+    # The grow back: the 2-host launch is stopped wherever it is and the 3-host one resumes
+    # from its last checkpoint (at most checkpoint_every - 1 steps are done again).
+    start3 = starts(ev, 3, rejoin) if rejoin else []
+    grow_from = min(e["step"] for e in start3) if start3 else None
+    grow = {}
+    if grow_from is not None:
+        t3 = min(e["t"] for e in start3)
+        before3 = [e for e in at2 if e["rank"] == 0 and e["t"] < t3]
+        ck3 = [e["loss"] for e in before3 if grow_from - 5 < e["step"] <= grow_from]
+        after3 = [e["loss"] for e in at3 if e["rank"] == 0][:5]
+        grow = {"resumed_from_step": grow_from,
+                "steps_redone": max(e["step"] for e in before3) - grow_from if before3 else None,
+                "steps_at_3": len([e for e in at3 if e["rank"] == 0]),
+                "loss_at_checkpoint": sum(ck3) / len(ck3) if ck3 else None,
+                "loss_after_resume": sum(after3) / len(after3) if after3 else None}
     result = {
         "config": {"algorithm": args.algorithm, "timeout_s": args.timeout, "hosts": N_HOSTS,
                    "rejoin": args.rejoin,
@@ -209,6 +238,7 @@ def analyse(ev: list[dict], marks: dict, t0: float, args) -> dict:
                                           if e["event"] == "start" and e["rank"] == 0})],
         "loss_at_checkpoint": sum(ck_losses) / len(ck_losses) if ck_losses else None,
         "loss_after_resume": sum(after_losses) / len(after_losses) if after_losses else None,
+        "grow": grow,
         "finished": any(e["event"] == "done" for e in ev),
         "samples": sample_accounting(ev, args.samples),
         "marks": {k: v - t0 for k, v in marks.items()},
@@ -242,8 +272,13 @@ def plot(result: dict, path: Path) -> None:
                     textcoords="offset points", fontsize=8)
     if "rejoin" in m:
         ax.axvline(m["rejoin"], color="green", ls="--", lw=1)
-        ax.annotate("host 2 back", (m["rejoin"], 0.6), xycoords=("data", "axes fraction"),
-                    xytext=(3, 0), textcoords="offset points", color="green", fontsize=8)
+        grown = ("" if result["grow_s"] is None else
+                 f",\nat 3 hosts after {result['grow_s']:.1f}s")
+        ax.annotate(f"host 2 back{grown}", (m["rejoin"], 0.75),
+                    xycoords=("data", "axes fraction"), xytext=(3, 0),
+                    textcoords="offset points", color="green", fontsize=8)
+        if result["grow_s"] is not None:
+            ax.axvspan(m["rejoin"], m["rejoin"] + result["grow_s"], color="green", alpha=0.08)
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel("training loss (rank 0, per step)")
     path_ = "3 hosts → 2 → 3" if "rejoin" in m else "3 hosts → 2"
@@ -278,10 +313,19 @@ def main(argv=None) -> int:
           f" resumed from {result['resumed_from_step']})")
     print(f"  loss at checkpoint {fmt(result['loss_at_checkpoint'])} -> first after resume "
           f"{fmt(result['loss_after_resume'])}")
+    g = result["grow"]
+    if g:
+        print(f"  grow back: resumed from step {g['resumed_from_step']} ({g['steps_redone']} "
+              f"steps done again), {g['steps_at_3']} steps at 3 hosts; loss at checkpoint "
+              f"{fmt(g['loss_at_checkpoint'])} -> first after {fmt(g['loss_after_resume'])}")
     print(f"  samples: {s['epochs_checked']} completed epoch(s), {s['missing']} missed, "
           f"{s['extra']} repeated; finished: {result['finished']}")
     print(f"  {out / 'result.json'}, {out / 'elastic.png'}")
-    return 0 if result["finished"] else 1
+    ok = result["finished"] and result["worlds"] == ([3, 2, 3] if args.rejoin else [3, 2])
+    if not ok:
+        print(f"  FAILED: expected worlds {[3, 2, 3] if args.rejoin else [3, 2]}, "
+              f"finished {result['finished']} (see {out}/host*.log)")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
