@@ -13,15 +13,40 @@ change (a node joins), it stops every worker and starts them again with a new ``
   load-balanced sampler deals the epoch's remaining samples over the new ranks;
 * checkpoint every ``--checkpoint-every`` steps, atomically (write, then rename).
 
-Launch it elastically on every node (2 to 3 nodes, up to 3 restarts, c10d rendezvous)::
+Launch it elastically on every node (2 to 3 nodes, c10d rendezvous), the same command on each,
+and again on a node that comes back::
 
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     torchrun --nnodes=2:3 --nproc-per-node=1 --max-restarts=3 \\
         --rdzv-backend=c10d --rdzv-endpoint=$HEAD_NODE:29400 --rdzv-id=job1 \\
+        --rdzv-conf=last_call_timeout=5,join_timeout=600 --monitor-interval=1 \\
         examples/elastic.py --checkpoint-dir /shared/ckpt --steps 2000
 
-and on one machine, as a quick try (kill one worker with ``kill -9`` and watch it resume)::
+What each setting is for (torch 2.13's torchrun):
 
-    torchrun --nnodes=1 --nproc-per-node=2 --max-restarts=3 examples/elastic.py \\
+* ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is needed for restarts. Without it the workers
+  share the store that the first rendezvous's rank-0 agent made, for the whole job: every
+  restart's process group finds the previous launch's addresses there (``Gloo
+  connectFullMesh failed ... Connection refused``), and a node joining later waits for a
+  ``MASTER_ADDR`` that is never written again (it times out, and the others time out in
+  ``_assign_worker_ranks``). With it, each rendezvous round gets a new store.
+  ``bagua_comm.init_process_group`` warns when it is missing and workers may be restarted.
+* ``--max-restarts`` counts failures (a node lost); a node joining restarts the job without
+  counting.
+* ``--rdzv-endpoint``: the c10d rendezvous lives in the torchrun of ``$HEAD_NODE`` (the node
+  whose address it is); that node must stay up for the job to survive.
+* ``last_call_timeout``: how long a round waits for more nodes once ``MIN`` are in.
+  ``join_timeout``: how long a node may wait to get into a round (a node that comes back
+  waits for the others to stop their workers). A lost node is dropped from the rendezvous
+  after ``keep_alive_interval`` x ``keep_alive_max_attempt`` (5 s x 3 by default), which is
+  most of the time to resume.
+* ``--checkpoint-dir`` must be shared by every node (rank 0 writes, every rank reads).
+* ``--timeout`` (the process group's) bounds how long survivors wait on a lost peer before
+  they fail and torchrun restarts them.
+
+On one machine, as a quick try (kill one worker with ``kill -9`` and watch it resume)::
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1 --nproc-per-node=2 --max-restarts=3 examples/elastic.py \\
         --checkpoint-dir /tmp/ckpt --steps 300 --step-sleep 0.05
 
 ``--events PATH`` appends one JSON line per event (start, step, checkpoint, error) so that a
