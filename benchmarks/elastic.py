@@ -41,9 +41,10 @@ from testbed import Testbed, testbed_available  # noqa: E402
 EXAMPLE = HERE.parent / "examples" / "elastic.py"
 N_HOSTS, LOST = 3, 2
 # Loss continuity: the job's loss (mean over ranks) over any 5 steps of the first 25 after a
-# resume may exceed that of the 5 steps up to the checkpoint by at most this (per-step losses on 32 samples a
-# rank are noisy; a model restarted from scratch would be at ln(10) = 2.3, well above the
-# checkpoints' ~1.4 and ~0.7).
+# resume may exceed that of the 5 steps up to the checkpoint by at most this. Measured on
+# uninterrupted stretches of these runs (~1000 positions), the same statistic stays below
+# 0.21 (95% below 0.17); the 1-sample-batch set-back it is there to catch was +0.39, and a
+# model restarted from scratch would be back at ln(10) = 2.3.
 LOSS_SLACK = 0.25
 
 
