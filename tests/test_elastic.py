@@ -61,10 +61,11 @@ def test_example_resumes_at_another_world_size(tmp_path):
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(not OK or not WHY.startswith("root"), reason=f"needs root namespaces: {WHY}")
 def test_lose_a_host_and_grow_back(tmp_path):
-    """3 hosts under torchrun --nnodes=2:3 (benchmarks/elastic.py --quick, about 70 s). Host 2
-    is lost mid-run: the survivors detect it within the timeout, restart at 2 and resume from
-    the checkpoint; host 2 comes back: the job grows to 3 and resumes again, and finishes.
-    No sample of a completed epoch is missed or repeated, and the loss does not jump."""
+    """3 hosts under torchrun --nnodes=2:3 (benchmarks/elastic.py --quick: 70-120 s on a
+    2-core machine). Host 2 is lost mid-run: the survivors detect it within the timeout,
+    restart at 2 and resume from the checkpoint; host 2 comes back: the job grows to 3 and
+    resumes again, and finishes. No sample of a completed epoch is missed or repeated, and
+    the loss is not set back."""
     out = tmp_path / "elastic"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "elastic.py"), "--quick",
                         "--out", str(out), "--name", f"te{os.getpid() % 10000}"],
@@ -86,7 +87,8 @@ def test_lose_a_host_and_grow_back(tmp_path):
     assert g["steps_at_3"] > 0
     assert res["samples"]["epochs_checked"] >= 3
     assert res["samples"]["missing"] == 0 and res["samples"]["extra"] == 0, res["samples"]
-    # No jump: a model restarted from scratch would be back at ln(10) = 2.3.
+    # No set-back: the worst 5 of the first 25 steps after each resume against the 5 steps up
+    # to its checkpoint (uninterrupted training stays within 0.21; from scratch would be 2.3).
     assert res["loss_after_resume"] <= res["loss_at_checkpoint"] + 0.25, res
     assert g["loss_after_resume"] <= g["loss_at_checkpoint"] + 0.25, g
     assert (out / "elastic.png").stat().st_size > 10_000
