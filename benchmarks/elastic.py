@@ -6,16 +6,21 @@ Three emulated hosts (network namespaces, see ``testbed/``) run ``examples/elast
 lost: its link goes down (its peers see silence, not a closed connection) and every process on
 it is killed. The survivors' collectives fail after the process group's ``--timeout``; they
 exit non-zero, torchrun restarts them on the 2 hosts left, and they resume from the last
-checkpoint rank 0 wrote. Later host 2 comes back (link up, torchrun started again): torchrun
-sees a node waiting, restarts the job at 3, which resumes from the last checkpoint again.
+checkpoint rank 0 wrote. Later host 2 comes back (link up, the same torchrun command started
+again): torchrun sees a node waiting, restarts the job at 3, which resumes from the last
+checkpoint again. torchrun runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see
+``launch``); its logs (INFO) are in ``host<i>.log``.
 
 Reported (table, ``result.json``, ``elastic.png``): time to detect (kill to the survivors'
-error), time to resume (kill to the first step at the new world size), time to grow back,
-steps lost (done after the checkpoint that was resumed from), samples of each completed epoch
-missed or seen twice, and the loss curve across the events.
+error), time to resume (kill to the first step at the new world size), time to grow back
+(host 2's torchrun started to the first step at 3), steps lost (done after the checkpoint that
+was resumed from) at each event, samples of each completed epoch missed or seen twice, and
+the loss across the events. Exits 1 if any target is missed (``failures``).
 
-    sudo python benchmarks/elastic.py            # ~2 minutes
-    sudo python benchmarks/elastic.py --quick    # ~1 minute (what tests/test_elastic.py runs)
+Needs root (network namespaces); no ``sudo`` when already root::
+
+    python benchmarks/elastic.py            # ~2.5 minutes
+    python benchmarks/elastic.py --quick    # ~1.5 minutes (what tests/test_elastic.py runs)
 """
 
 from __future__ import annotations
@@ -35,6 +40,12 @@ from testbed import Testbed, testbed_available  # noqa: E402
 
 EXAMPLE = HERE.parent / "examples" / "elastic.py"
 N_HOSTS, LOST = 3, 2
+# Loss continuity: the job's loss (mean over ranks) over any 5 steps of the first 25 after a
+# resume may exceed that of the 5 steps up to the checkpoint by at most this. Measured on
+# uninterrupted stretches of these runs (~1000 positions), the same statistic stays below
+# 0.21 (95% below 0.17); the 1-sample-batch set-back it is there to catch was +0.39, and a
+# model restarted from scratch would be back at ln(10) = 2.3.
+LOSS_SLACK = 0.25
 
 
 def parse_args(argv=None):
@@ -53,10 +64,12 @@ def parse_args(argv=None):
     args.timeout = args.timeout or (5.0 if q else 10.0)
     args.samples = 3072 if q else 8192          # 32 steps per epoch at 3 ranks (quick)
     args.every = 8 if q else 20                  # checkpoint interval (steps)
-    args.kill_at = 30 if q else 90               # lose host 2 after this step (world 3)
+    args.kill_at = 48 if q else 90               # lose host 2 after this step (world 3)
     args.grow_after = 12 if q else 40            # bring it back after this many steps at 2
-    args.steps = 90 if q else 300
-    args.sleep = 0.05
+    # Paced at <= 10 steps/s so that the job is still running when host 2 is back: the 2
+    # hosts train on until its torchrun (a few seconds to import torch) is in the rendezvous.
+    args.steps = 240 if q else 600
+    args.sleep = 0.1
     return args
 
 
@@ -89,10 +102,22 @@ def launch(tb: Testbed, i: int, args, outdir: Path) -> subprocess.Popen:
               "--checkpoint-dir", outdir / "ckpt", "--checkpoint-every", args.every,
               "--samples", args.samples, "--timeout", args.timeout,
               "--step-sleep", args.sleep, "--events", outdir / "events.jsonl"]
+    # c10d rendezvous hosted by host 0's agent; a round completes 2 s after the 2nd node is
+    # in (last_call) or at once with the 3rd; a node lost is dropped from the rendezvous after
+    # torchrun's keep-alive (3 missed 5 s heartbeats), which is most of the time to resume.
     argv = tb.torchrun_argv(i, worker, nnodes=f"2:{N_HOSTS}", rdzv_id="elastic",
                             rdzv_conf="last_call_timeout=2,join_timeout=120",
                             extra=["--max-restarts", "5", "--monitor-interval", "0.5"])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it torchrun (its default since mid-2024; torch 2.13 here) gives the
+    # workers the store its first rank-0 agent created and keeps it for the whole job. Then
+    # (1) a node joining later waits for MASTER_ADDR/MASTER_PORT, which only a *first* round
+    # writes: it times out, and the others time out in _assign_worker_ranks waiting for its
+    # role_info (the grow back never happens); (2) each restart's workers find the previous
+    # launch's gloo addresses under the same keys ("default_pg/0/..."), and whoever reads
+    # one before its peer overwrites it gets "connectFullMesh ... Connection refused". With
+    # it, every round's rank 0 publishes a fresh address and its worker 0 hosts a new store.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", LOGLEVEL="INFO",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     log = open(outdir / f"host{i}.log", "a")  # noqa: SIM115 (lives as long as the process)
     return tb.popen(i, argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                     start_new_session=True)
@@ -182,18 +207,61 @@ def sample_accounting(ev: list[dict], samples: int) -> dict:
     return {"epochs_checked": max(0, len(by_epoch) - 1), "missing": missing, "extra": extra}
 
 
+def job_loss(records: list[dict]) -> dict[int, tuple[float, float]]:
+    """``{step: (time, loss)}`` of one launch's step records: the job's loss is the mean over
+    its ranks (each rank's batch alone is noisy, and the load-balanced sampler gives ranks
+    batches of different difficulty)."""
+    by_step: dict[int, list[dict]] = {}
+    for e in records:
+        by_step.setdefault(e["step"], []).append(e)
+    return {k: (min(e["t"] for e in v), sum(e["loss"] for e in v) / len(v))
+            for k, v in sorted(by_step.items())}
+
+
+def continuity(before: list[dict], after: list[dict], resumed_from: int):
+    """Mean job loss of the 5 steps up to the checkpoint resumed from, and the worst mean of
+    5 consecutive steps in the first 25 after the resume (None where there are none): a
+    set-back a few steps later (say, at the end of the re-dealt epoch) counts too."""
+    mean = lambda v: sum(v) / len(v) if v else None  # noqa: E731
+    ck = [loss for step, (_, loss) in job_loss(before).items()
+          if resumed_from - 5 < step <= resumed_from]
+    nxt = [loss for _, loss in list(job_loss(after).values())[:25]]
+    windows = [mean(nxt[i:i + 5]) for i in range(max(1, len(nxt) - 4)) if nxt[i:i + 5]]
+    return mean(ck), max(windows) if windows else None
+
+
 def analyse(ev: list[dict], marks: dict, t0: float, args) -> dict:
     kill, rejoin = marks["kill"], marks.get("rejoin")
     errors = [e for e in ev if e["event"] == "error" and e["t"] > kill]
     at2 = steps_at(ev, 2, kill)
     start2 = starts(ev, 2, kill)
     at3 = steps_at(ev, 3, rejoin) if rejoin else []
-    before = [e for e in ev if e["event"] == "step" and e["t"] <= kill and e["rank"] == 0]
+    before = [e for e in ev if e["event"] == "step" and e["t"] <= kill]
     last_step = max(e["step"] for e in before)
     resumed_from = min(e["step"] for e in start2) if start2 else None
-    ck_losses = [e["loss"] for e in before if resumed_from and
-                 resumed_from - 5 < e["step"] <= resumed_from]
-    after_losses = [e["loss"] for e in at2 if e["rank"] == 0][:5]
+    loss_ck, loss_after = (continuity(before, at2, resumed_from) if resumed_from is not None
+                           else (None, None))
+    # The grow back: the 2-host launch is stopped wherever it is and the 3-host one resumes
+    # from its last checkpoint (at most checkpoint_every - 1 steps are done again).
+    start3 = starts(ev, 3, rejoin) if rejoin else []
+    grow_from = min(e["step"] for e in start3) if start3 else None
+    grow = {}
+    if grow_from is not None:
+        t3 = min(e["t"] for e in start3)
+        before3 = [e for e in at2 if e["t"] < t3]
+        ck3, after3 = continuity(before3, at3, grow_from)
+        grow = {"resumed_from_step": grow_from,
+                "steps_redone": max(e["step"] for e in before3) - grow_from if before3 else None,
+                "steps_at_3": len([e for e in at3 if e["rank"] == 0]),
+                "loss_at_checkpoint": ck3, "loss_after_resume": after3}
+    launch_of = {e["pid"]: (e["step"], e["world"]) for e in ev if e["event"] == "start"}
+    launches: dict[tuple, list[dict]] = {}
+    for e in ev:
+        if e["event"] == "step" and e["pid"] in launch_of:
+            launches.setdefault(launch_of[e["pid"]], []).append(e)
+    curve = sorted(({"t": t - t0, "step": step, "loss": loss, "world": key[1]}
+                    for key, recs in launches.items()
+                    for step, (t, loss) in job_loss(recs).items()), key=lambda c: c["t"])
     result = {
         "config": {"algorithm": args.algorithm, "timeout_s": args.timeout, "hosts": N_HOSTS,
                    "rejoin": args.rejoin,
@@ -207,13 +275,13 @@ def analyse(ev: list[dict], marks: dict, t0: float, args) -> dict:
         "steps_lost": last_step - resumed_from if resumed_from is not None else None,
         "worlds": [w for _, w in sorted({(e["t"], e["world"]) for e in ev
                                           if e["event"] == "start" and e["rank"] == 0})],
-        "loss_at_checkpoint": sum(ck_losses) / len(ck_losses) if ck_losses else None,
-        "loss_after_resume": sum(after_losses) / len(after_losses) if after_losses else None,
+        "loss_at_checkpoint": loss_ck,
+        "loss_after_resume": loss_after,
+        "grow": grow,
         "finished": any(e["event"] == "done" for e in ev),
         "samples": sample_accounting(ev, args.samples),
         "marks": {k: v - t0 for k, v in marks.items()},
-        "curve": [{"t": e["t"] - t0, "step": e["step"], "loss": e["loss"], "world": e["world"]}
-                  for e in ev if e["event"] == "step" and e["rank"] == 0],
+        "curve": curve,
     }
     return result
 
@@ -242,10 +310,15 @@ def plot(result: dict, path: Path) -> None:
                     textcoords="offset points", fontsize=8)
     if "rejoin" in m:
         ax.axvline(m["rejoin"], color="green", ls="--", lw=1)
-        ax.annotate("host 2 back", (m["rejoin"], 0.6), xycoords=("data", "axes fraction"),
-                    xytext=(3, 0), textcoords="offset points", color="green", fontsize=8)
+        grown = ("" if result["grow_s"] is None else
+                 f",\nat 3 hosts after {result['grow_s']:.1f}s")
+        ax.annotate(f"host 2 back{grown}", (m["rejoin"], 0.75),
+                    xycoords=("data", "axes fraction"), xytext=(3, 0),
+                    textcoords="offset points", color="green", fontsize=8)
+        if result["grow_s"] is not None:
+            ax.axvspan(m["rejoin"], m["rejoin"] + result["grow_s"], color="green", alpha=0.08)
     ax.set_xlabel("wall time (s)")
-    ax.set_ylabel("training loss (rank 0, per step)")
+    ax.set_ylabel("training loss (per step, mean over ranks)")
     path_ = "3 hosts → 2 → 3" if "rejoin" in m else "3 hosts → 2"
     ax.set_title(f"elastic {result['config']['algorithm']}: {path_} "
                  f"(timeout {result['config']['timeout_s']:g}s, checkpoint every "
@@ -276,12 +349,43 @@ def main(argv=None) -> int:
           f"grow to 3 {fmt(result['grow_s'])} s")
     print(f"  steps lost {result['steps_lost']} (killed after step {result['steps_before_kill']},"
           f" resumed from {result['resumed_from_step']})")
-    print(f"  loss at checkpoint {fmt(result['loss_at_checkpoint'])} -> first after resume "
-          f"{fmt(result['loss_after_resume'])}")
+    print(f"  loss at checkpoint {fmt(result['loss_at_checkpoint'])} -> worst 5 steps after "
+          f"resume {fmt(result['loss_after_resume'])}")
+    g = result["grow"]
+    if g:
+        print(f"  grow back: resumed from step {g['resumed_from_step']} ({g['steps_redone']} "
+              f"steps done again), {g['steps_at_3']} steps at 3 hosts; loss at checkpoint "
+              f"{fmt(g['loss_at_checkpoint'])} -> worst 5 after {fmt(g['loss_after_resume'])}")
     print(f"  samples: {s['epochs_checked']} completed epoch(s), {s['missing']} missed, "
           f"{s['extra']} repeated; finished: {result['finished']}")
     print(f"  {out / 'result.json'}, {out / 'elastic.png'}")
-    return 0 if result["finished"] else 1
+    failed = failures(result, args)
+    for why in failed:
+        print(f"  FAILED: {why} (see {out}/host*.log)")
+    return 1 if failed else 0
+
+
+def failures(result: dict, args) -> list[str]:
+    """The scenario's targets that this run missed (empty: it met them all)."""
+    out = []
+    worlds = [3, 2, 3] if args.rejoin else [3, 2]
+    if not result["finished"] or result["worlds"] != worlds:
+        out.append(f"worlds {result['worlds']} (finished: {result['finished']}), "
+                   f"expected {worlds}")
+    if result["detect_s"] is None or result["detect_s"] > args.timeout + 5:
+        out.append(f"detected after {result['detect_s']} s, timeout {args.timeout:g} s")
+    s = result["samples"]
+    if s["missing"] or s["extra"]:
+        out.append(f"samples missed {s['missing']}, repeated {s['extra']}")
+    events = [("resume at 2", result["loss_at_checkpoint"], result["loss_after_resume"])]
+    if args.rejoin:
+        g = result["grow"]
+        events.append(("grow to 3", g.get("loss_at_checkpoint"), g.get("loss_after_resume")))
+    for what, before, after in events:
+        if before is None or after is None or after > before + LOSS_SLACK:
+            out.append(f"loss after {what} {after} vs {before} at the checkpoint "
+                       f"(slack {LOSS_SLACK})")
+    return out
 
 
 if __name__ == "__main__":

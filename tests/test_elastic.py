@@ -1,6 +1,6 @@
 """Elastic training end to end (benchmarks/elastic.py --quick): 3 emulated hosts under
-``torchrun --nnodes=2:3``, one lost mid-run and brought back; and examples/elastic.py resuming
-at another world size on plain loopback."""
+``torchrun --nnodes=2:3``, one lost mid-run and brought back (root only: network namespaces);
+and examples/elastic.py resuming at another world size on plain loopback."""
 
 from __future__ import annotations
 
@@ -58,26 +58,37 @@ def test_example_resumes_at_another_world_size(tmp_path):
 
 
 @pytest.mark.testbed
+@pytest.mark.timeout(400)
 @pytest.mark.skipif(not OK or not WHY.startswith("root"), reason=f"needs root namespaces: {WHY}")
-@pytest.mark.skipif(os.environ.get("BAGUA_TEST_ELASTIC") != "1",
-                    reason="opt-in (BAGUA_TEST_ELASTIC=1): torchrun's re-rendezvous after a lost "
-                           "host is not yet reliable here (agents restart out of step and gloo's "
-                           "connectFullMesh is refused), so it would make CI flaky")
-def test_lose_a_host_and_keep_training(tmp_path):
-    """3 hosts under torchrun --nnodes=2:3; host 2 lost mid-run: the survivors detect it
-    within the timeout, restart at 2 and finish from the checkpoint, no sample lost.
-    (Growing back to 3 is measured by the benchmark without --no-rejoin: see e2e notes.)"""
+def test_lose_a_host_and_grow_back(tmp_path):
+    """3 hosts under torchrun --nnodes=2:3 (benchmarks/elastic.py --quick: 70-120 s on a
+    2-core machine). Host 2 is lost mid-run: the survivors detect it within the timeout,
+    restart at 2 and resume from the checkpoint; host 2 comes back: the job grows to 3 and
+    resumes again, and finishes. No sample of a completed epoch is missed or repeated, and
+    the loss is not set back."""
     out = tmp_path / "elastic"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "elastic.py"), "--quick",
-                        "--no-rejoin", "--out", str(out), "--name", f"te{os.getpid() % 10000}"],
-                       capture_output=True, text=True, timeout=420)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+                        "--out", str(out), "--name", f"te{os.getpid() % 10000}"],
+                       capture_output=True, text=True, timeout=360)
+    logs = "".join(f"\n== host{i}.log\n" + (out / f"host{i}.log").read_text()[-2000:]
+                   for i in range(3) if (out / f"host{i}.log").exists())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + logs
     res = json.loads((out / "result.json").read_text())
-    timeout = res["config"]["timeout_s"]
-    assert res["finished"] and res["worlds"] == [3, 2], res["worlds"]
+    cfg = res["config"]
+    assert res["finished"] and res["worlds"] == [3, 2, 3], res["worlds"]
     # Detected by the survivors within the process group timeout (plus scheduling slack).
-    assert res["detect_s"] is not None and res["detect_s"] <= timeout + 5, res["detect_s"]
-    assert res["steps_lost"] < res["config"]["checkpoint_every"] + 2
+    assert res["detect_s"] is not None and res["detect_s"] <= cfg["timeout_s"] + 5, res["detect_s"]
+    # Resumed from the last checkpoint before the kill, i.e. lost fewer steps than its period.
+    every = cfg["checkpoint_every"]
+    assert res["resumed_from_step"] % every == 0
+    assert 0 <= res["steps_lost"] < every + 2, res["steps_lost"]
+    g = res["grow"]
+    assert g["resumed_from_step"] % every == 0 and 0 <= g["steps_redone"] < every + 2, g
+    assert g["steps_at_3"] > 0
+    assert res["samples"]["epochs_checked"] >= 3
     assert res["samples"]["missing"] == 0 and res["samples"]["extra"] == 0, res["samples"]
-    assert res["loss_after_resume"] <= 1.5 * res["loss_at_checkpoint"] + 0.05
+    # No set-back: the worst 5 of the first 25 steps after each resume against the 5 steps up
+    # to its checkpoint (uninterrupted training stays within 0.21; from scratch would be 2.3).
+    assert res["loss_after_resume"] <= res["loss_at_checkpoint"] + 0.25, res
+    assert g["loss_after_resume"] <= g["loss_at_checkpoint"] + 0.25, g
     assert (out / "elastic.png").stat().st_size > 10_000

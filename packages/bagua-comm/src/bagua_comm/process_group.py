@@ -219,6 +219,27 @@ def _resolve_backend(backend: str) -> str:
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
 
+SHARED_STORE_WARNING = (
+    "bagua_comm: torchrun shares its rendezvous TCPStore with the workers and may restart "
+    "them (--max-restarts={restarts}). That store outlives every restart: a restarted worker "
+    "can read the previous launch's gloo/NCCL addresses ('Gloo connectFullMesh failed ... "
+    "Connection refused') and a node that joins later waits for MASTER_ADDR until it times "
+    "out. Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (see "
+    "docs/elastic.md).")
+
+
+def _shared_store_hazard(environ=None) -> str | None:
+    """The warning for a worker that torchrun may restart on a store that keeps every
+    launch's keys (``TORCHELASTIC_USE_AGENT_STORE=True``, ``--max-restarts`` > 0), or None."""
+    env = os.environ if environ is None else environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return None
+    return SHARED_STORE_WARNING.format(restarts=restarts) if restarts > 0 else None
+
 
 def init_process_group(backend: str = "auto", *, store=None, rank=None, world_size=None,
                        local_world_size=None, timeout=_DEFAULT_TIMEOUT) -> None:
@@ -265,6 +286,8 @@ def init_process_group(backend: str = "auto", *, store=None, rank=None, world_si
     if local_world_size < 1 or world_size % local_world_size:
         raise ValueError(f"local_world_size must divide world_size={world_size}, "
                          f"got {local_world_size}")
+    if store is None and rank == 0 and (hazard := _shared_store_hazard()) is not None:
+        warnings.warn(hazard, RuntimeWarning, stacklevel=2)   # one line per job
     if adopt:
         if timeout == _DEFAULT_TIMEOUT:
             timeout = _torch_timeout(timeout)
