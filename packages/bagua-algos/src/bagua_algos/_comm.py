@@ -217,11 +217,11 @@ class Reducer:
     reducer's single :class:`Runner`: with ``shard=True`` and every node holding the same
     number ``L > 1`` of ranks, :func:`sharded` (each local rank reduces and exchanges
     ``1/L`` of the bucket with its rail; a tensor whose size is not a multiple of ``L``
-    takes the leader pattern); otherwise intra-node reduce, the operation among node leaders, intra-node
-    broadcast (:func:`hierarchical`).  :attr:`peers` is the group the "among" step runs in
-    (a rail, the inter-node group, or the whole group when flat), e.g. the group a
-    compressor's chunks must divide; :attr:`shards` is ``L`` when sharded (buckets must be
-    a multiple of it), else 1, and :attr:`shard` this rank's shard index.
+    takes the leader pattern); otherwise intra-node reduce, the operation among node
+    leaders, intra-node broadcast (:func:`hierarchical`).  :attr:`peers` is the group the
+    "among" step runs in (a rail, the inter-node group, or the whole group when flat), e.g.
+    the group a compressor's chunks must divide; :attr:`shards` is ``L`` when sharded
+    (buckets must be a multiple of it), else 1, and :attr:`shard` this rank's shard index.
     """
 
     def __init__(self, group: bc.ProcessGroup, hierarchical: bool, name: str, *,

@@ -24,8 +24,9 @@ class ByteGrad(Algorithm, name="bytegrad"):
     traffic between nodes: where every node has the same number ``L > 1`` of ranks, each
     local rank averages ``1/L`` of every bucket inside the node and exchanges it, compressed,
     with the ranks at its position on the other nodes (the node's ranks then swap shards);
-    otherwise only the node leaders exchange, with a reduce and broadcast inside the node.  ``error_feedback=True`` carries each gradient's quantisation
-    error into the next step (EF-SGD); the residuals are checkpointed with the optimizer.
+    otherwise only the node leaders exchange, with a reduce and broadcast inside the node.
+    ``error_feedback=True`` carries each gradient's quantisation error into the next step
+    (EF-SGD); the residuals are checkpointed with the optimizer.
     ``compressor`` is any ``bagua_comm.compression.Compressor`` (default: ``MinMaxUInt8``
     with one chunk per rank); ``error_feedback`` configures the default one, a compressor
     passed in brings its own.  Every rank decodes the same bytes, so ranks stay
