@@ -129,10 +129,8 @@ _COLUMNS = [("bandwidth", "left"), ("algorithm", "left"), ("mode", "left"),
             ("compute", "right"), ("comm", "right"), ("MB/st/rk", "right"),
             ("loss@N", "right"), ("to DDP loss s", "right"), ("TTA xDDP", "right"),
             ("loss@T", "right")]
-LEGEND = ("mode: the algorithm's mode (hier: averages inside a host first, only what the "
-          "host's ranks hold together crosses the shaped link (allreduce, ByteGrad, QAdam: "
-          "a shard per rank; decentralized: the node leader); flat: every rank on the link; "
-          "all/shift_one: Decentralized's "
+LEGEND = ("mode: the algorithm's mode (hier: averages inside a host first, only node leaders "
+          "use the shaped link; flat: every rank on the link; all/shift_one: Decentralized's "
           "peers; async: its averaging interval and the rounds inside the timed window).  "
           "step/compute/comm: ms per step (comm: exposed, step - compute).  "
           "x DDP: throughput ratio.  MB/st/rk: MB each rank sent on the host's link "

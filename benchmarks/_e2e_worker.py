@@ -6,8 +6,8 @@ compute-only step time on a private copy, wraps the model, warms up, then times 
 ``--steps`` steps (AsyncModelAverage: until the window holds ``--async-min-rounds`` averaging
 rounds, so its figures include its communication) and keeps training until the wall budget
 (``--wall-seconds``, at least ``--budget-factor`` x DDP's time for ``--steps`` steps), with
-the weights snapshotted every ``--eval-every`` steps (default: every step; the clock paused for
-the copy, about a millisecond) and their held-out loss evaluated after the run: the
+the weights snapshotted every ``--eval-every`` steps up to 2N and every N/2 after (default:
+every step; the clock paused for the copy, about a millisecond) and their held-out loss evaluated after the run: the
 loss-against-time curve that time to DDP's loss is read from.  Evaluating after the run, not
 inside it, keeps AsyncModelAverage's background averaging from getting free time while the
 clock is paused.  Rank 0 writes ``<out>/<row>.json``; progress
@@ -97,6 +97,15 @@ def _evaluate(model, batches) -> float:
     return loss
 
 
+def _snapshot_due(i: int, steps: int, every: int) -> bool:
+    """Every ``every`` steps up to 2N, where time to DDP's loss is decided (DDP reaches its
+    loss at N); every N/2 steps after, so fast rows that train for many steps (async) do not
+    spend minutes evaluating their tail; and always at N."""
+    if i == steps:
+        return True
+    return i % (every if i <= 2 * steps else max(every, steps // 2)) == 0
+
+
 def _snapshot(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -170,7 +179,7 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
         i += 1
         elapsed = time.perf_counter() - t0 - paused
         times.append(elapsed)
-        if i % every == 0 or i == args.steps:
+        if _snapshot_due(i, args.steps, every):
             # The weights (local, no collective), the clock paused; evaluated after the run.
             p = time.perf_counter()
             snapshots.append((i, elapsed, _snapshot(model)))

@@ -152,16 +152,6 @@ def _hierarchy():
         z = torch.tensor([float(r)])
         bc.allreduce_inplace(z, op=bc.ReduceOp.AVG, group=sub)
         out["sub"] = (sub.rank, z.item())
-    rail = g.rail_group()
-    w = torch.tensor([float(r + 1)])
-    bc.allreduce_inplace(w, group=rail)
-    out["rail"] = (rail.ranks, w.item(), g.uniform_nodes())
-    uneven = bc.new_group([0, 1, 2])          # node 0: ranks 0 and 1, node 1: rank 2 only
-    if uneven.is_member():
-        try:
-            uneven.rail_group()
-        except ValueError as err:
-            out["uneven"] = (uneven.uniform_nodes(), str(err))
     return out, bc.get_local_rank(), bc.get_node_rank(), bc.get_local_size()
 
 
@@ -174,13 +164,6 @@ def test_hierarchical_communicators_on_two_nodes_of_two():
     assert "inter" not in out[1][0] and "inter" not in out[3][0]
     assert out[1][0]["sub"] == (0, 2.0) and out[3][0]["sub"] == (1, 2.0)
     assert "sub" not in out[0][0]
-    # rails: the ranks at the same position on every node
-    assert [o[0]["rail"] for o in out] == [([0, 2], 4.0, True), ([1, 3], 6.0, True),
-                                           ([0, 2], 4.0, True), ([1, 3], 6.0, True)]
-    for o in out[:3]:
-        uniform, msg = o[0]["uneven"]
-        assert not uniform and "same number of members on every node" in msg
-    assert "uneven" not in out[3][0]
 
 
 def _without_16bit_gloo_reductions():

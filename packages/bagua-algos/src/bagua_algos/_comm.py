@@ -141,93 +141,23 @@ def hierarchical(group: bc.ProcessGroup, tensor: torch.Tensor,
         bc.broadcast(tensor, 0, group=intra)
 
 
-def can_shard(group: bc.ProcessGroup) -> bool:
-    """Whether :func:`sharded` applies: several ranks on every node, as many on each."""
-    return group.uniform_nodes() and group.size // group.num_nodes > 1
-
-
-class _Scratch:
-    """Full-size buffers reused call after call (one per size and dtype; the reducer's
-    single runner thread is their only user)."""
-
-    def __init__(self):
-        self._bufs: dict = {}
-
-    def get(self, tag: str, like: torch.Tensor) -> torch.Tensor:
-        key = (tag, like.numel(), like.dtype, like.device)
-        buf = self._bufs.get(key)
-        if buf is None:
-            if len(self._bufs) >= 16:          # many sizes (re-bucketing): start over
-                self._bufs.clear()
-            buf = self._bufs[key] = torch.empty(like.numel(), dtype=like.dtype,
-                                                device=like.device)
-        return buf
-
-
-def sharded(group: bc.ProcessGroup, tensor: torch.Tensor,
-            inter_op: Callable[[torch.Tensor, bc.ProcessGroup], None],
-            average: bool = True, scratch: _Scratch | None = None) -> None:
-    """Hierarchical reduction by shards (blocking): the ``L`` ranks of a node split
-    ``tensor`` into ``L`` shards; local rank ``i`` reduces shard ``i`` inside the node (an
-    alltoall of shards and a sum in a fixed order), runs ``inter_op(shard, rail)`` with the
-    ranks at position ``i`` on the other nodes, and the node's ranks swap their shards back
-    (a second alltoall).  Every rank then holds every shard as its rail computed it, so
-    ranks stay bit-identical when ``inter_op`` leaves the ranks of a rail identical.
-
-    Against the leader pattern of :func:`hierarchical`, each node sends the same bytes
-    between nodes (over ``L`` connections instead of one), the intra-node steps move
-    ``(L-1)/L`` of the tensor each way instead of a full reduce and broadcast (gloo's reduce
-    is several times slower than its alltoall), and the inter-node work (compression) is
-    split ``L`` ways.  ``tensor.numel()`` must be a multiple of ``L``.
-    """
-    intra, rail = group.intra_node_group(), group.rail_group()
-    size, me = intra.size, intra.rank
-    flat = tensor.view(-1)
-    if flat.numel() % size:
-        raise ValueError(f"sharded reduction: tensor has {flat.numel()} elements, not a "
-                         f"multiple of the {size} ranks of a node (pad the bucket)")
-    scratch = scratch if scratch is not None else _Scratch()
-    shard_numel = flat.numel() // size
-    parts = scratch.get("parts", flat)
-    bc.alltoall(flat, parts, group=intra)            # row j: rank j's copy of my shard
-    rows = parts.view(size, shard_numel)
-    shard = flat[me * shard_numel:(me + 1) * shard_numel]
-    torch.sum(rows, 0, out=shard)
-    if average:
-        shard.div_(size)
-    if rail.size > 1:
-        inter_op(shard, rail)
-    rows.copy_(shard.expand(size, shard_numel))      # send my shard to every local rank
-    bc.alltoall(parts, flat, group=intra)
-
-
-def prepare_hierarchy(group: bc.ProcessGroup, rails: bool = False) -> None:
-    """Create the intra/inter-node groups now, and with ``rails`` the rails where
-    :func:`sharded` applies (collective; every rank, same order)."""
+def prepare_hierarchy(group: bc.ProcessGroup) -> None:
+    """Create the intra/inter-node groups now (collective; every rank, same order)."""
     group.intra_node_group()
     group.inter_node_group()
-    if rails and can_shard(group):
-        group.rail_group()
 
 
 class Reducer:
     """Reduce a bucket over ``group``, flat or hierarchical, returning a :class:`Handle`.
 
-    Flat: the primitive's own asynchronous handle (no thread).  Hierarchical, on this
-    reducer's single :class:`Runner`: with ``shard=True`` and every node holding the same
-    number ``L > 1`` of ranks, :func:`sharded` (each local rank reduces and exchanges
-    ``1/L`` of the bucket with its rail; a tensor whose size is not a multiple of ``L``
-    takes the leader pattern); otherwise intra-node reduce, the operation among node
-    leaders, intra-node broadcast (:func:`hierarchical`).  :attr:`peers` is the group the
-    "among" step runs in (a rail, the inter-node group, or the whole group when flat), e.g.
-    the group a compressor's chunks must divide; :attr:`shards` is ``L`` when sharded
-    (buckets must be a multiple of it), else 1, and :attr:`shard` this rank's shard index.
+    Flat: the primitive's own asynchronous handle (no thread).  Hierarchical: intra-node
+    reduce, the operation among node leaders, intra-node broadcast, chained on this reducer's
+    single :class:`Runner`.  :attr:`peers` is the group the "among" step runs in (the
+    inter-node group when hierarchical), e.g. the group a compressor's chunks must divide.
     """
 
-    def __init__(self, group: bc.ProcessGroup, hierarchical: bool, name: str, *,
-                 shard: bool = False):
+    def __init__(self, group: bc.ProcessGroup, hierarchical: bool, name: str):
         self.group = group
-        self.shard_ok = shard
         self.runner = Runner(name)
         self.hierarchical = hierarchical
 
@@ -239,36 +169,22 @@ class Reducer:
     def hierarchical(self, value: bool) -> None:
         """Switch modes between steps (collective the first time it turns True)."""
         if value:
-            prepare_hierarchy(self.group, rails=self.shard_ok)
+            prepare_hierarchy(self.group)
         self._hierarchical = bool(value)
-        self.sharded = bool(value) and self.shard_ok and can_shard(self.group)
-        if self.sharded:
-            self.peers = self.group.rail_group()
-            intra = self.group.intra_node_group()
-            self.shards, self.shard = intra.size, intra.rank
-        else:
-            self.peers = self.group.inter_node_group() if value else self.group
-            self.shards, self.shard = 1, 0
-        self._scratch = _Scratch()
-
-    def _hier(self, tensor: torch.Tensor, among, average: bool) -> Handle:
-        if self.sharded and tensor.numel() % self.shards == 0:
-            return self.runner.submit(lambda: sharded(self.group, tensor, among, average,
-                                                      self._scratch))
-        return self.runner.submit(lambda: hierarchical(self.group, tensor, among, average))
+        self.peers = self.group.inter_node_group() if value else self.group
 
     def allreduce(self, tensor: torch.Tensor, op: bc.ReduceOp = bc.ReduceOp.AVG) -> Handle:
         """Allreduce ``tensor`` in place."""
         if not self.hierarchical:
             return Handle(bc.allreduce_inplace(tensor, op, group=self.group, async_op=True))
-        return self._hier(tensor, lambda t, g: bc.allreduce_inplace(t, op, group=g),
-                          op is bc.ReduceOp.AVG)
+        return self.runner.submit(lambda: hierarchical(
+            self.group, tensor, lambda t, g: bc.allreduce_inplace(t, op, group=g),
+            op is bc.ReduceOp.AVG))
 
     def compressed_allreduce(self, tensor: torch.Tensor, compressor, key: str,
                              op: bc.ReduceOp = bc.ReduceOp.AVG) -> Handle:
-        """Allreduce ``tensor`` in place through ``compressor`` (when hierarchical, among the
-        ranks of a rail on shards, or among node leaders; the intra-node steps stay full
-        precision)."""
+        """Allreduce ``tensor`` in place through ``compressor`` (among node leaders only when
+        hierarchical; the intra-node steps stay full precision)."""
         if not self.hierarchical:
             return Handle(bc.compressed_allreduce(tensor, tensor, op, compressor, key=key,
                                                   group=self.group, async_op=True))
@@ -276,7 +192,8 @@ class Reducer:
         def among(t, g):
             bc.compressed_allreduce(t, t, op, compressor, key=key, group=g)
 
-        return self._hier(tensor, among, op is bc.ReduceOp.AVG)
+        return self.runner.submit(lambda: hierarchical(self.group, tensor, among,
+                                                       op is bc.ReduceOp.AVG))
 
     def exchange(self, fn: Callable[[], None]) -> Handle:
         """Run a blocking chain of collectives ``fn`` on the runner (peer exchanges)."""

@@ -66,19 +66,12 @@ class CompressorState:
     """A compressor's error-feedback residuals, exported keyed by parameter name.
 
     ``peers`` is the group ``compressed_allreduce`` runs in (for the gather segment's
-    position); ``rank`` is this rank's place in it (-1: not a member, no residuals).  When
-    the reduction is sharded (``node``: the intra-node group whose ``shards`` ranks each
-    compress one shard of every bucket, ``peers`` being this rank's rail), the residuals
-    cover shard ``node.rank`` of each bucket; ``world`` is the whole group.
+    position); ``rank`` is this rank's place in it (-1: not a member, no residuals).
     """
 
-    def __init__(self, compressor, peers: bc.ProcessGroup, *, shards: int = 1,
-                 node: bc.ProcessGroup | None = None, world: bc.ProcessGroup | None = None):
+    def __init__(self, compressor, peers: bc.ProcessGroup):
         self.compressor = compressor
         self.peers = peers
-        self.shards = shards
-        self.node = node
-        self.world = world
 
     def _residuals(self):
         state = self.compressor.state_dict()
@@ -91,19 +84,12 @@ class CompressorState:
         """Elements ``compressed_allreduce`` compresses for ``bucket`` (its scatter residual)."""
         chunks = getattr(self.compressor, "chunks", None)
         chunks = chunks if isinstance(chunks, int) and chunks >= 1 else self.peers.size
-        return -(-(bucket.padded_numel // self.shards) // chunks) * chunks
-
-    def _offsets(self, buckets) -> list[int]:
-        """Where this rank's shard (what it compresses) starts in each bucket."""
-        if self.shards == 1:
-            return [0] * len(buckets)
-        return [b.padded_numel // self.shards * self.node.rank for b in buckets]
+        return -(-bucket.padded_numel // chunks) * chunks
 
     def _starts(self, buckets) -> list[int]:
         """Where this rank's gather segment starts in each bucket."""
         r = max(self.peers.rank, 0)
-        return [off + self._padded(b) // self.peers.size * r
-                for off, b in zip(self._offsets(buckets), buckets)]
+        return [self._padded(b) // self.peers.size * r for b in buckets]
 
     def export(self, buckets) -> dict:
         state, res = self._residuals()
@@ -111,42 +97,28 @@ class CompressorState:
             return {"compressor": state}
         rest = {k: v for k, v in state.items() if k != "residuals"}
         return {"compressor": rest,
-                "scatter": export_flat(buckets, [res.get(f"{b.name}/scatter") for b in buckets],
-                                       start=self._offsets(buckets)),
+                "scatter": export_flat(buckets, [res.get(f"{b.name}/scatter") for b in buckets]),
                 "gather": export_flat(buckets, [res.get(f"{b.name}/gather") for b in buckets],
                                       start=self._starts(buckets))}
 
     def share_gather(self, buckets, state: dict) -> None:
         """Collective among the peers (re-bucketing): every member gets every member's gather
         residuals (each element's is held by exactly one of them), so whoever reduces an
-        element in the new layout holds its residual.  Sharded: the gather residuals are
-        shared over the whole group and the scatter residuals inside the node (each
-        element's is held by one rank there), since the new layout may move an element to
-        another shard."""
-        if self.shards > 1:
-            if state.get("scatter") or state.get("gather"):   # the same on every rank
-                state["gather"] = self._sum(buckets, state["gather"], self.world)
-                state["scatter"] = self._sum(buckets, state["scatter"], self.node)
-            return
+        element in the new layout holds its residual."""
         if (not state.get("scatter") and not state.get("gather")) or not self.peers.is_member() \
                 or self.peers.size == 1:   # no residuals: the same on every peer
             return
-        state["gather"] = self._sum(buckets, state["gather"], self.peers)
-
-    @staticmethod
-    def _sum(buckets, saved: dict, group: bc.ProcessGroup) -> dict:
-        """``saved`` (parameter name -> residual, zeros where absent) summed over ``group``."""
         parts = [(b.names, b.params) for b in buckets]
         flat = []
         for names, params in parts:
             for name, p in zip(names, params):
-                t = saved.get(name)
+                t = state["gather"].get(name)
                 flat.append(t.reshape(-1).float() if t is not None
                             else torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
         if not flat:
-            return saved
+            return
         buf = torch.cat(flat)
-        bc.allreduce_inplace(buf, bc.ReduceOp.SUM, group=group)
+        bc.allreduce_inplace(buf, bc.ReduceOp.SUM, group=self.peers)
         gathered, off = {}, 0
         for names, params in parts:
             for name, p in zip(names, params):
@@ -154,7 +126,7 @@ class CompressorState:
                 off += p.numel()
                 if piece.any():
                     gathered[name] = piece
-        return gathered
+        state["gather"] = gathered
 
     def load(self, buckets, state: dict, *, same_layout: bool) -> None:
         if "scatter" not in state:          # opaque compressor state
@@ -166,10 +138,10 @@ class CompressorState:
                             "afresh", type(self.compressor).__name__)
             return
         res = {}
-        starts, offsets = self._starts(buckets), self._offsets(buckets)
+        starts = self._starts(buckets)
         for i, b in enumerate(buckets):
             padded = self._padded(b)
-            for tag, size, lo in (("scatter", padded, offsets[i]),
+            for tag, size, lo in (("scatter", padded, 0),
                                   ("gather", padded // self.peers.size, starts[i])):
                 buf = torch.zeros(size, dtype=torch.float32, device=b.device)
                 if state[tag] and import_flat([b], [buf], state[tag],

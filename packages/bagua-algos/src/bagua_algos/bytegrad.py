@@ -21,12 +21,8 @@ class ByteGrad(Algorithm, name="bytegrad"):
     """Compressed gradient allreduce: about a quarter of the bytes of full precision.
 
     ``hierarchical=True`` averages inside each node in full precision and compresses only the
-    traffic between nodes: where every node has the same number ``L > 1`` of ranks, each
-    local rank averages ``1/L`` of every bucket inside the node and exchanges it, compressed,
-    with the ranks at its position on the other nodes (the node's ranks then swap shards);
-    otherwise only the node leaders exchange, with a reduce and broadcast inside the node.
-    ``error_feedback=True`` carries each gradient's quantisation error into the next step
-    (EF-SGD); the residuals are checkpointed with the optimizer.
+    traffic among node leaders.  ``error_feedback=True`` carries each gradient's quantisation
+    error into the next step (EF-SGD); the residuals are checkpointed with the optimizer.
     ``compressor`` is any ``bagua_comm.compression.Compressor`` (default: ``MinMaxUInt8``
     with one chunk per rank); ``error_feedback`` configures the default one, a compressor
     passed in brings its own.  Every rank decodes the same bytes, so ranks stay
@@ -64,18 +60,14 @@ class CompressedAllReduce:
                  error_feedback: bool = False, name: str = "bagua-compressed"):
         peers = group.num_nodes if hierarchical else group.size
         check_chunks(compressor, peers, "compressor")      # before any communication
-        self.reducer = Reducer(group, hierarchical, name, shard=True)
+        self.reducer = Reducer(group, hierarchical, name)
         self.op = bc.ReduceOp.AVG if average else bc.ReduceOp.SUM
         self.compressor = make_compressor(compressor, self.reducer.peers.size, error_feedback)
-        r = self.reducer
-        self.state = CompressorState(
-            self.compressor, r.peers, shards=r.shards,
-            node=group.intra_node_group() if r.sharded else None, world=group)
+        self.state = CompressorState(self.compressor, self.reducer.peers)
         self.buckets = []
 
     def alignment(self) -> int:
-        """Sharded: every local rank's shard must itself need no padding."""
-        return self.reducer.shards * alignment(self.compressor, self.reducer.peers.size)
+        return alignment(self.compressor, self.reducer.peers.size)
 
     def __call__(self, tensor, bucket):
         """Start the allreduce of ``tensor`` (laid out like ``bucket``) in place."""

@@ -16,11 +16,8 @@ def _check_bool(name, value):
 class GradientAllReduce(Algorithm, name="gradient_allreduce"):
     """Average (or sum) gradients over all ranks: the result is bit-identical on every rank.
 
-    ``hierarchical=True`` reduces inside each node first and allreduces between nodes only
-    what the node's ranks hold together: inter-node traffic shrinks by the ranks per node.
-    Where every node has ``L > 1`` ranks, each local rank reduces and allreduces ``1/L`` of
-    a bucket (with the ranks at its position on the other nodes) and the node's ranks swap
-    shards; otherwise node leaders allreduce, with a reduce and broadcast inside the node.
+    ``hierarchical=True`` reduces inside each node first, allreduces among node leaders and
+    broadcasts back inside the node: inter-node traffic shrinks by the ranks per node.
     """
 
     def __init__(self, hierarchical: bool = False, average: bool = True):
@@ -37,7 +34,7 @@ class GradientAllReduceImpl(AlgorithmImpl):
     def __init__(self, group, hierarchical, average):
         super().__init__(group)
         self.op = bc.ReduceOp.AVG if average else bc.ReduceOp.SUM
-        self.reducer = Reducer(group, hierarchical, "bagua-allreduce", shard=True)
+        self.reducer = Reducer(group, hierarchical, "bagua-allreduce")
 
     @property
     def hierarchical(self) -> bool:
@@ -55,7 +52,7 @@ class GradientAllReduceImpl(AlgorithmImpl):
         way (same maths) and can pay where several ranks share a node."""
         g = self.group
         if g.num_nodes > 1 and g.size > g.num_nodes:
-            prepare_hierarchy(g, rails=True)   # collective: every rank builds its tuner together
+            prepare_hierarchy(g)      # collective: every rank builds its tuner together
             return {"hierarchical": ([False, True], False)}
         return {}
 

@@ -47,7 +47,6 @@ class ProcessGroup:
         self.rank = self.ranks.index(self._global_rank) if self._global_rank in self.ranks else -1
         self._intra = None
         self._inter = None
-        self._rail = None
         self._destroyed = False
         self._id = len(_state.groups)  # same on every rank: groups are created collectively
         self._generation = _state.generation
@@ -96,31 +95,6 @@ class ProcessGroup:
             leaders = [members[0] for members in self._nodes().values()]
             self._inter = _new_subgroup(leaders, self.backend, self._local_world_size)
         return self._inter
-
-    def rail_group(self) -> ProcessGroup:
-        """The members of this group at this process's position on every node (the ``i``-th
-        member of each node, ``i`` = this process's rank in its :meth:`intra_node_group`):
-        the ranks that exchange shard ``i`` of a sharded hierarchical reduction.  Collective
-        on first call (every rank builds every rail, in the same order).  Needs the same
-        number of members on every node."""
-        if self._rail is None:
-            nodes = list(self._nodes().values())
-            sizes = sorted({len(m) for m in nodes})
-            if len(sizes) != 1:
-                raise ValueError(f"rail_group needs the same number of members on every node, "
-                                 f"got nodes of {sizes} members")
-            mine = None
-            for i in range(sizes[0]):
-                members = [m[i] for m in nodes]
-                g = _new_subgroup(members, self.backend, self._local_world_size)
-                if self._global_rank in members:
-                    mine = g
-            self._rail = mine
-        return self._rail
-
-    def uniform_nodes(self) -> bool:
-        """Whether every node holds the same number of this group's members."""
-        return len({len(m) for m in self._nodes().values()}) == 1
 
     def is_node_leader(self) -> bool:
         return self._global_rank in [m[0] for m in self._nodes().values()]
