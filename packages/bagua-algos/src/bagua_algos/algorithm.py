@@ -172,6 +172,12 @@ class AlgorithmImpl:
     def forward_pre_hook(self, ctx: BaguaContext) -> None:
         """Before each training forward (``module.step`` already counts this step)."""
 
+    def grad_divisor(self, bucket: BaguaBucket) -> int | None:
+        """A number to divide ``bucket``'s gradients by while they are gathered into
+        ``bucket.grad``, just before :meth:`bucket_ready_hook` (None: leave them as they are).
+        The division rides on the copy the gather makes anyway."""
+        return None
+
     def bucket_ready_hook(self, ctx: BaguaContext, bucket: BaguaBucket):
         """In backward: every gradient of ``bucket`` is in ``bucket.grad``. Start its
         communication and return a handle with ``wait()`` (or None if done already)."""
