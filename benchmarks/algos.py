@@ -92,21 +92,24 @@ def _time_size(width, depth, batch, rounds, steps, warmup, x, y):
         _step(ddp, ddp_opt, x, y)
         _step(bg, bg_opt, x, y)
     times = {"ddp": [], "bagua": []}
-    ratios = []
+    ratios, cpu_ratios = [], []
     for r in range(rounds):
         # alternate which one goes first, so neither always follows the other's traffic
         order = ("ddp", "bagua") if r % 2 == 0 else ("bagua", "ddp")
-        this = {}
+        this, cpu = {}, {}
         for which in order:
             model, opt = (ddp, ddp_opt) if which == "ddp" else (bg, bg_opt)
             bc.barrier()
+            c0 = time.process_time()
             this[which] = [_step(model, opt, x, y) for _ in range(steps)]
+            cpu[which] = time.process_time() - c0
             times[which] += this[which]
         # the two blocks of a round ran back to back, under the same load
         ratios.append(statistics.median(this["bagua"]) / statistics.median(this["ddp"]))
+        cpu_ratios.append(cpu["bagua"] / max(cpu["ddp"], 1e-9))
     bg.detach_algorithm()
     return {**{k: statistics.median(v) for k, v in times.items()},
-            "ratio": statistics.median(ratios)}
+            "ratio": statistics.median(ratios), "cpu_ratio": statistics.median(cpu_ratios)}
 
 
 def _rank_main(sizes, bytes_model, batch, steps_per_round, warmup, algorithms):
@@ -215,17 +218,19 @@ def main(argv=None):
           f"{args.batch}/rank, {args.threads} torch thread(s) per rank")
     print("\nstep time, DDP (gloo) vs with_bagua(GradientAllReduce()): median step times;\n"
           "ratio: median over rounds (one step of each, back to back) of bagua / DDP; "
-          "mean over ranks")
+          "CPU ratio: the same\nfor the process's CPU time (all its threads: the work each "
+          "step costs, whatever the load); mean over ranks")
     print(f"  {'size':6s} {'MLP':>8s} {'params':>8s} {'DDP ms':>9s} {'bagua ms':>9s} "
-          f"{'ratio':>7s} {'rounds':>7s}")
+          f"{'ratio':>7s} {'CPU ratio':>9s} {'rounds':>7s}")
     worst = 0.0
     for name, w, d, n_rounds in sizes:
         t_ddp = statistics.mean(r["time"][name]["ddp"] for r in res)
         t_bg = statistics.mean(r["time"][name]["bagua"] for r in res)
         ratio = statistics.mean(r["time"][name]["ratio"] for r in res)
+        cpu_ratio = statistics.mean(r["time"][name]["cpu_ratio"] for r in res)
         worst = max(worst, ratio)
         print(f"  {name:6s} {f'{d}x{w}':>8s} {_params(w, d) / 1e6:7.2f}M {t_ddp * 1e3:9.2f} "
-              f"{t_bg * 1e3:9.2f} {ratio:7.3f} {n_rounds:7d}")
+              f"{t_bg * 1e3:9.2f} {ratio:7.3f} {cpu_ratio:9.3f} {n_rounds:7d}")
     print(f"  worst ratio {worst:.3f}   (target <= 1.02 at every size)")
     if not algorithms:
         return
