@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """bagua-algos against PyTorch DDP (gloo) on 2 ranks over loopback, in the same run.
 
-    python benchmarks/algos.py            # ~3M-parameter MLP
-    python benchmarks/algos.py --quick    # small model, a few steps (well under a minute)
+    python benchmarks/algos.py            # every model size, bytes table on the 2.4M MLP
+    python benchmarks/algos.py --quick    # the two small sizes, a few steps (under a minute)
+    python benchmarks/algos.py --sizes large --algorithms ""   # one size, step time only
 
-Prints, for ``with_bagua(GradientAllReduce())`` and ``DistributedDataParallel``, the median
+Prints, for ``with_bagua(GradientAllReduce())`` and ``DistributedDataParallel`` at each model
+size of ``--sizes`` (small 0.11M, quick 0.40M, base 2.37M, large 20.4M parameters), the median
 step time (forward + backward + optimizer step, measured in alternating rounds so both see
 the same machine load) and their ratio; then, for every algorithm, the bytes each rank sends
 per step as counted by bagua_comm.traffic, against DDP's (counted by a DDP comm hook that
@@ -22,6 +24,11 @@ import time
 
 import torch
 
+# name: (width, depth, rounds) -- MLPs 256 -> width x depth -> 10.  A round is one DDP step
+# and one GradientAllReduce step back to back (which goes first alternates); the ratio is the
+# median over rounds of the pair's ratio, so a load that drifts (a shared machine) hits both.
+SIZES = {"small": (224, 2, 300), "quick": (512, 2, 200), "base": (1024, 3, 80),
+         "large": (2560, 4, 24)}
 ALGORITHMS = ["gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized",
               "async", "qadam"]
 
@@ -67,18 +74,14 @@ def _optimizer(name, model):
     return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
 
-def _rank_main(width, depth, batch, steps, rounds, warmup, algorithms):
+def _time_size(width, depth, batch, rounds, steps, warmup, x, y):
+    """Median step time of DDP and GradientAllReduce on one model, in alternating rounds."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     import bagua_comm as bc
     from bagua_algos import GradientAllReduce, with_bagua
 
-    rank = bc.get_rank()
-    x, y = _data(batch, rank)
-    out = {"params": sum(p.numel() for p in _model(width, depth).parameters())}
-
-    # -- step time: DDP and GradientAllReduce in alternating rounds --------------------------
     ddp_model = _model(width, depth)
     ddp = DistributedDataParallel(ddp_model, process_group=dist.group.WORLD)
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
@@ -89,13 +92,44 @@ def _rank_main(width, depth, batch, steps, rounds, warmup, algorithms):
         _step(ddp, ddp_opt, x, y)
         _step(bg, bg_opt, x, y)
     times = {"ddp": [], "bagua": []}
-    for _ in range(rounds):
-        bc.barrier()
-        times["ddp"] += [_step(ddp, ddp_opt, x, y) for _ in range(steps)]
-        bc.barrier()
-        times["bagua"] += [_step(bg, bg_opt, x, y) for _ in range(steps)]
-    out["time"] = {k: statistics.median(v) for k, v in times.items()}
+    ratios, cpu_ratios = [], []
+    for r in range(rounds):
+        # alternate which one goes first, so neither always follows the other's traffic
+        order = ("ddp", "bagua") if r % 2 == 0 else ("bagua", "ddp")
+        this, cpu = {}, {}
+        for which in order:
+            model, opt = (ddp, ddp_opt) if which == "ddp" else (bg, bg_opt)
+            bc.barrier()
+            c0 = time.process_time()
+            this[which] = [_step(model, opt, x, y) for _ in range(steps)]
+            cpu[which] = time.process_time() - c0
+            times[which] += this[which]
+        # the two blocks of a round ran back to back, under the same load
+        ratios.append(statistics.median(this["bagua"]) / statistics.median(this["ddp"]))
+        cpu_ratios.append(cpu["bagua"] / max(cpu["ddp"], 1e-9))
     bg.detach_algorithm()
+    return {**{k: statistics.median(v) for k, v in times.items()},
+            "ratio": statistics.median(ratios), "cpu_ratio": statistics.median(cpu_ratios)}
+
+
+def _rank_main(sizes, bytes_model, batch, steps_per_round, warmup, algorithms):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import bagua_comm as bc
+    from bagua_algos import with_bagua
+
+    rank = bc.get_rank()
+    x, y = _data(batch, rank)
+    out = {"time": {}}
+
+    # -- step time at every size: DDP and GradientAllReduce in alternating rounds -------------
+    for name, width, depth, size_rounds in sizes:
+        out["time"][name] = _time_size(width, depth, batch, size_rounds, steps_per_round,
+                                       warmup, x, y)
+    width, depth, steps = bytes_model
+    if not algorithms:
+        return out
 
     # -- DDP's bytes per step, through a counting comm hook ------------------------------------
     counted = []
@@ -118,6 +152,7 @@ def _rank_main(width, depth, batch, steps, rounds, warmup, algorithms):
     for name in algorithms:
         model = _model(width, depth)
         opt = _optimizer(name, model)
+        out.setdefault("params", sum(p.numel() for p in model.parameters()))
         wrapped = with_bagua(model, [opt], _algorithm(name, opt))
         for _ in range(3):                              # past warmups (QAdam: 2 steps)
             _step(wrapped, opt, x, y)
@@ -133,47 +168,78 @@ def _rank_main(width, depth, batch, steps, rounds, warmup, algorithms):
     return out
 
 
+def _params(width: int, depth: int) -> int:
+    return sum(p.numel() for p in _model(width, depth).parameters())
+
+
 def main(argv=None):
     from bagua_comm.testing import run_ranks
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small model, few steps")
-    ap.add_argument("--width", type=int, default=None)
-    ap.add_argument("--depth", type=int, default=None)
+    ap.add_argument("--quick", action="store_true",
+                    help="sizes small,quick; fewer rounds; bytes on the quick size")
+    ap.add_argument("--sizes", default=None,
+                    help=f"comma-separated model sizes to time, from {list(SIZES)} "
+                         "(default: all; --quick: small,quick)")
+    ap.add_argument("--width", type=int, default=None, help="bytes table's MLP width")
+    ap.add_argument("--depth", type=int, default=None, help="bytes table's MLP depth")
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per round")
-    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per algorithm per round (default 1), and the bytes table's steps")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="rounds per size (default: per size, see SIZES; --quick: half)")
     ap.add_argument("--local-world-size", type=int, default=1,
                     help="ranks per emulated node (1: each rank is a node)")
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS),
-                    help="comma-separated registry names to count bytes for")
+                    help="comma-separated registry names to count bytes for ('' for none)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     args = ap.parse_args(argv)
-    width = args.width or (512 if args.quick else 1024)
-    depth = args.depth or (2 if args.quick else 3)
-    steps = args.steps or (8 if args.quick else 20)
-    rounds = args.rounds or (2 if args.quick else 5)
+    names = (args.sizes or ("small,quick" if args.quick else ",".join(SIZES))).split(",")
+    names = [n for n in names if n]
+    unknown = sorted(set(names) - set(SIZES))
+    if unknown or not names:
+        ap.error(f"--sizes must name one or more of {list(SIZES)}, got {args.sizes!r}")
+    sizes = [(n, SIZES[n][0], SIZES[n][1],
+              args.rounds or (SIZES[n][2] // 2 if args.quick else SIZES[n][2])) for n in names]
+    bytes_size = SIZES["quick" if args.quick else "base"]
+    width = args.width or bytes_size[0]
+    depth = args.depth or bytes_size[1]
+    bytes_steps = args.steps or (8 if args.quick else 20)
+    steps_per_round = args.steps or 1
     algorithms = [a for a in args.algorithms.split(",") if a]
     unknown = sorted(set(algorithms) - set(ALGORITHMS))
     if unknown:
         ap.error(f"unknown algorithms {unknown}; choose from {ALGORITHMS}")
     res = run_ranks(_rank_main, 2,
-                    args=(width, depth, args.batch, steps, rounds, 2, algorithms),
-                    local_world_size=args.local_world_size, threads=args.threads, timeout=900)
+                    args=(sizes, (width, depth, bytes_steps), args.batch, steps_per_round, 2,
+                          algorithms),
+                    local_world_size=args.local_world_size, threads=args.threads, timeout=1800)
+    print(f"2 ranks, gloo over loopback, local_world_size={args.local_world_size}, batch "
+          f"{args.batch}/rank, {args.threads} torch thread(s) per rank")
+    print("\nstep time, DDP (gloo) vs with_bagua(GradientAllReduce()): median step times;\n"
+          "ratio: median over rounds (one step of each, back to back) of bagua / DDP; "
+          "CPU ratio: the same\nfor the process's CPU time (all its threads: the work each "
+          "step costs, whatever the load); mean over ranks")
+    print(f"  {'size':6s} {'MLP':>8s} {'params':>8s} {'DDP ms':>9s} {'bagua ms':>9s} "
+          f"{'ratio':>7s} {'CPU ratio':>9s} {'rounds':>7s}")
+    worst = 0.0
+    for name, w, d, n_rounds in sizes:
+        t_ddp = statistics.mean(r["time"][name]["ddp"] for r in res)
+        t_bg = statistics.mean(r["time"][name]["bagua"] for r in res)
+        ratio = statistics.mean(r["time"][name]["ratio"] for r in res)
+        cpu_ratio = statistics.mean(r["time"][name]["cpu_ratio"] for r in res)
+        worst = max(worst, ratio)
+        print(f"  {name:6s} {f'{d}x{w}':>8s} {_params(w, d) / 1e6:7.2f}M {t_ddp * 1e3:9.2f} "
+              f"{t_bg * 1e3:9.2f} {ratio:7.3f} {cpu_ratio:9.3f} {n_rounds:7d}")
+    print(f"  worst ratio {worst:.3f}   (target <= 1.02 at every size)")
+    if not algorithms:
+        return
     r0 = res[0]
-    print(f"model: MLP {depth}x{width} ({r0['params'] / 1e6:.2f} M params, "
-          f"{r0['params'] * 4 / 2**20:.1f} MiB fp32), batch {args.batch}/rank, 2 ranks, "
-          f"gloo over loopback, local_world_size={args.local_world_size}")
-    t_ddp = statistics.mean(r["time"]["ddp"] for r in res)
-    t_bg = statistics.mean(r["time"]["bagua"] for r in res)
-    print("\nstep time (median over rounds, mean over ranks)")
-    print(f"  DDP (gloo)                      {t_ddp * 1e3:8.2f} ms")
-    print(f"  with_bagua(GradientAllReduce()) {t_bg * 1e3:8.2f} ms")
-    print(f"  ratio bagua / DDP               {t_bg / t_ddp:8.3f}   (target <= 1.05)")
+    print(f"\nbytes sent per rank per step (rank 0), MLP {depth}x{width} "
+          f"({r0['params'] / 1e6:.2f} M params, {r0['params'] * 4 / 2**20:.1f} MiB fp32)")
     ddp_bytes = r0["bytes"]["ddp"]
-    print("\nbytes sent per rank per step (rank 0)")
     print(f"  {'algorithm':30s} {'bytes/step':>14s} {'x DDP':>8s} {'step ms':>9s}")
-    print(f"  {'DDP (gloo)':30s} {ddp_bytes:14,.0f} {1.0:8.3f} {t_ddp * 1e3:9.2f}")
+    print(f"  {'DDP (gloo)':30s} {ddp_bytes:14,.0f} {1.0:8.3f} {'':>9s}")
     for name in algorithms:
         b = r0["bytes"][name]
         t = statistics.mean(r["step"][name] for r in res)

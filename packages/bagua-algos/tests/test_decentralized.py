@@ -214,3 +214,69 @@ def test_peer_exchanges_post_every_receive_before_any_send(monkeypatch):
         kinds = [k for k, _ in calls]
         assert sorted(calls) == [("recv", 0), ("recv", 2), ("send", 0), ("send", 2)], method
         assert kinds == ["recv", "recv", "send", "send"], method
+
+
+class _FreshTensors(torch.overrides.TorchFunctionMode):
+    """Records every torch function that returns a tensor of at least ``numel`` elements in
+    storage none of its arguments had: a new bucket-sized allocation."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.fresh = numel, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat = torch.utils._pytree.tree_leaves((args, kwargs))
+        known = {t.untyped_storage().data_ptr() for t in flat if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and t.numel() >= self.numel
+                    and t.untyped_storage().data_ptr() not in known):
+                self.fresh.append(getattr(func, "__name__", str(func)))
+        return out
+
+
+def _allocations_per_step(algorithm):
+    """Bucket-sized tensors the algorithm's hooks (and its exchange thread) create in steps
+    2 and 3 (step 1 may set buffers up), for one bucket of the whole model."""
+    rank = bc.get_rank()
+    model = make_model(seed=1)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model = with_bagua(model, [opt], algorithm)
+    impl = model.impl
+    mode = _FreshTensors(model.buckets[0].numel // 2)
+    counting = [False]
+
+    def counted(fn):
+        def wrapper(*args, **kwargs):
+            if not counting[0]:
+                return fn(*args, **kwargs)
+            with mode:
+                return fn(*args, **kwargs)
+        return wrapper
+
+    for name in ("forward_pre_hook", "post_backward_hook", "post_optimizer_step_hook"):
+        setattr(impl, name, counted(getattr(impl, name)))
+    exchange = impl.reducer.exchange
+    impl.reducer.exchange = lambda fn: exchange(counted(fn))   # runs on the runner thread
+    for step in range(3):
+        counting[0] = step > 0
+        opt.zero_grad()
+        loss_fn(model, *batch(step, rank)).backward()
+        opt.step()
+    model.detach_algorithm()
+    return mode.fresh
+
+
+def _allocation_cases():
+    return {name: _allocations_per_step(algo) for name, algo in (
+        ("all", Decentralized(hierarchical=False)),
+        ("shift_one", Decentralized(hierarchical=False, peer_selection_mode="shift_one")),
+        ("low_precision", LowPrecisionDecentralized(hierarchical=False)))}
+
+
+def test_steps_reuse_their_buffers():
+    """Decentralized's peer and receive buffers and LowPrecisionDecentralized's temporaries
+    (difference, decoding, payloads) are allocated once, not every step."""
+    for per_rank in run_ranks(_allocation_cases, 2, timeout=120):
+        assert per_rank == {"all": [], "shift_one": [], "low_precision": []}, per_rank

@@ -74,11 +74,36 @@ def _sum_instead_of_average():
             for p, r in zip(model.parameters(), ref.parameters())]
 
 
+def _exact_average():
+    """Each gradient is, bit for bit, (g0 + g1) / 2 of the two ranks' own gradients, on each
+    path the gather takes: a fresh gradient (divided as it is copied into the bucket), one
+    already in the bucket (divided in place), unflattened buckets."""
+    rank, world = bc.get_rank(), bc.get_world_size()
+    out = []
+    for do_flatten, set_to_none in ((True, True), (True, False), (False, True)):
+        model = with_bagua(make_model(seed=1), [], GradientAllReduce(hierarchical=False),
+                           do_flatten=do_flatten, bucket_size=300)
+        ref = make_model(seed=1)
+        for step in range(2):
+            model.zero_grad(set_to_none=set_to_none)
+            ref.zero_grad()
+            loss_fn(model, *batch(step, rank)).backward()
+            loss_fn(ref, *batch(step, rank)).backward()
+            local = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+            every = torch.empty(world * local.numel())
+            bc.allgather(local, every)
+            want = every.view(world, -1).sum(0).div_(world)
+            got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            out.append(torch.equal(got, want))
+    return out
+
+
 def _two_ranks():
     out = {name: train_allreduce(GradientAllReduce(hierarchical=False), *cfg)
            for name, cfg in CONFIGS.items()}
     out["sum"] = _sum_instead_of_average()
     out["no_sync"] = _no_sync_accumulation()
+    out["exact"] = _exact_average()
     return out
 
 
@@ -100,6 +125,11 @@ def test_flat_allreduce_equals_full_batch_training(two_ranks, config):
 def test_no_sync_accumulation_equals_full_batch(two_ranks):
     for r in two_ranks:
         assert all(r["no_sync"])
+
+
+def test_average_is_bit_exact_on_every_gather_path(two_ranks):
+    for r in two_ranks:
+        assert r["exact"] == [True] * 6
 
 
 def test_average_false_sums_gradients(two_ranks):

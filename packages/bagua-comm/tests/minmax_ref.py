@@ -1,4 +1,5 @@
-"""An independent numpy implementation of the MinMaxUInt8 format (DESIGN.md section 4).
+"""An independent numpy implementation of the MinMaxUInt8 format (as the package README
+and the MinMaxUInt8 docstring describe it: records of [min, max] header and uint8 codes).
 
 Written from the formula alone, element by element in float32 numpy scalars/arrays, so that
 the Cython and CuPy kernels can be compared with it byte for byte.

@@ -126,6 +126,25 @@ def test_error_feedback_carries_the_residual_into_the_next_step():
     assert (total - true).abs().max() < 0.1
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_error_feedback_reuses_its_two_buffers_step_after_step(dtype):
+    """Each step's bytes and residual equal the plain compressor's on ``g + residual``, and
+    the residual and the corrected input live in the same two buffers every step."""
+    ef, plain = MinMaxUInt8(4, error_feedback=True), MinMaxUInt8(4)
+    gen = torch.Generator().manual_seed(5)
+    res = torch.zeros(256)
+    buffers = set()
+    for _ in range(3):
+        g = torch.randn(256, generator=gen).to(dtype)
+        corrected = g.float() + res
+        want = plain.compress(corrected.to(dtype))
+        assert torch.equal(ef.compress(g, key="w"), want)
+        res = corrected - plain.decompress(want, torch.empty(256), dtype=dtype)
+        assert torch.equal(ef.residual("w"), res)
+        buffers.add((ef.residual("w").data_ptr(), ef._corrected["w"].data_ptr()))
+    assert len(buffers) == 1, "error feedback allocated full-size buffers again"
+
+
 def test_error_feedback_state_round_trips_through_state_dict():
     x = torch.randn(256)
     a = MinMaxUInt8(2, error_feedback=True)

@@ -55,6 +55,27 @@ class Lion(torch.optim.Optimizer):
         return loss
 
 
+class EagerAccumulator(torch.optim.Optimizer):
+    """An Adagrad-like optimizer that creates its state in ``__init__`` and reads it in
+    ``step`` without checking, as torch's Adagrad did before torch 2.5 (the probe used to
+    hit its KeyError and leave it unfused)."""
+
+    def __init__(self, params, lr=0.1, initial_accumulator_value=0.5):
+        super().__init__(params, dict(lr=lr, initial_accumulator_value=initial_accumulator_value))
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["sum"] = torch.full_like(p, initial_accumulator_value)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    s = self.state[p]["sum"]
+                    s.addcmul_(p.grad, p.grad)
+                    p.addcdiv_(p.grad, s.sqrt().add_(1e-10), value=-group["lr"])
+
+
 def _modes(name):
     yield "default", {}
     yield "foreach", {"foreach": True}
@@ -88,6 +109,11 @@ def test_bit_identical_to_unfused(name, kw):
     # really fused: every parameter is a view of one flat buffer
     ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     assert len(ptrs) == 1
+
+
+def test_state_created_in_init_is_fused():
+    _, _fused, model = _train(EagerAccumulator, dict(lr=0.1))
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])

@@ -78,22 +78,25 @@ class BaguaBucket:
         return self.padded_numel * self.grad.element_size()
 
     # -- gradients ----------------------------------------------------------------------------
-    def gather_grads(self) -> None:
-        """Make ``grad`` hold every parameter's current gradient (missing ones count as 0)."""
+    def gather_grads(self, divide_by: int | None = None) -> None:
+        """Make ``grad`` hold every parameter's current gradient (missing ones count as 0),
+        divided by ``divide_by`` if given: the division is fused into the copy a gradient
+        that is not yet a view of ``grad`` needs anyway (one pass over memory, not two)."""
         with torch.no_grad():
             for p, v in zip(self.params, self._grad_views):
                 g = p.grad
-                if self.flatten:
-                    if g is None:
-                        v.zero_()
-                        p.grad = v
-                    elif not _same_storage(g, v):
-                        v.copy_(g)
-                        p.grad = v
-                elif g is None:
+                if g is None:
                     v.zero_()
+                elif self.flatten and _same_storage(g, v):
+                    if divide_by is not None:
+                        v.div_(divide_by)
+                    continue
+                elif divide_by is not None:
+                    torch.div(g, divide_by, out=v)
                 else:
                     v.copy_(g)
+                if self.flatten:
+                    p.grad = v
 
     def adopt_grads(self) -> None:
         """Copy existing gradients into ``grad`` (and, flattened, re-point them at it): a

@@ -146,7 +146,10 @@ class AlgorithmImpl:
         """Split per dtype (and device), filling each bucket up to ``bucket_size`` bytes.
 
         The first bucket of each dtype is capped at ``FIRST_BUCKET_SIZE`` (1 MiB) so that
-        communication starts early in backward, overlapping the rest of it."""
+        communication starts early in backward, overlapping the rest of it.  As in DDP, that
+        first bucket closes with the tensor that reaches 1 MiB, not before it: closed before,
+        it would hold a last layer's few small tensors, start almost nothing early and leave
+        the big tensor after them to the bucket that waits for the end of backward."""
         open_: OrderedDict[Any, list] = OrderedDict()
         sizes: dict[Any, int] = {}
         buckets = []
@@ -156,12 +159,16 @@ class AlgorithmImpl:
             open_.setdefault(key, [])
             nbytes = t.numel() * t.element_size()
             cap = bucket_size if key in started else min(bucket_size, FIRST_BUCKET_SIZE)
-            if open_[key] and sizes[key] + nbytes > cap:
+            if open_[key] and sizes[key] + nbytes > cap and cap == bucket_size:
                 started.add(key)
                 buckets.append(open_[key])
                 open_[key], sizes[key] = [], 0
             open_[key].append(t)
             sizes[key] = sizes.get(key, 0) + nbytes
+            if key not in started and cap < bucket_size and sizes[key] >= cap:
+                started.add(key)             # the first bucket reached 1 MiB: close it
+                buckets.append(open_[key])
+                open_[key], sizes[key] = [], 0
         buckets.extend(b for b in open_.values() if b)
         order = {id(t): i for i, t in enumerate(tensors)}
         return sorted(buckets, key=lambda b: order[id(b[0])])   # launch in readiness order
@@ -171,6 +178,12 @@ class AlgorithmImpl:
 
     def forward_pre_hook(self, ctx: BaguaContext) -> None:
         """Before each training forward (``module.step`` already counts this step)."""
+
+    def grad_divisor(self, bucket: BaguaBucket) -> int | None:
+        """A number to divide ``bucket``'s gradients by while they are gathered into
+        ``bucket.grad``, just before :meth:`bucket_ready_hook` (None: leave them as they are).
+        The division rides on the copy the gather makes anyway."""
+        return None
 
     def bucket_ready_hook(self, ctx: BaguaContext, bucket: BaguaBucket):
         """In backward: every gradient of ``bucket`` is in ``bucket.grad``. Start its

@@ -44,7 +44,22 @@ class GradientAllReduceImpl(AlgorithmImpl):
     def hierarchical(self, value: bool) -> None:   # the autotuner switches it between steps
         self.reducer.hierarchical = value
 
+    def grad_divisor(self, bucket):
+        """Flat averaging on CPU (gloo) divides each gradient by the world size as it is
+        copied into the bucket, then allreduces a sum, as DDP does: one pass over the
+        gradients instead of a copy before and a division after the allreduce, and no
+        pass left at the end of backward.  With a power-of-two world size the result is
+        bit-identical to dividing the sum (a power-of-two division is exact); either way it
+        is bit-identical on every rank.  NCCL averages natively, so GPU buckets are left to
+        it; the hierarchical mode averages inside its own chain."""
+        if (self.op is bc.ReduceOp.AVG and not self.reducer.hierarchical
+                and bucket.device.type == "cpu" and self.group.size > 1):
+            return self.group.size
+        return None
+
     def bucket_ready_hook(self, ctx, bucket):
+        if self.grad_divisor(bucket) is not None:      # divided while gathering
+            return self.reducer.allreduce(bucket.grad, bc.ReduceOp.SUM)
         return self.reducer.allreduce(bucket.grad, self.op)
 
     def autotune_knobs(self):

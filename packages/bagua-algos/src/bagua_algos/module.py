@@ -298,7 +298,7 @@ class BaguaModule(torch.nn.Module):
             self._next += 1
             if not self.impl.uses_grad_buckets:
                 continue
-            b.gather_grads()
+            b.gather_grads(self.impl.grad_divisor(b))
             if b.device.type == "cuda":
                 handle = self._launch_on_stream(b)
             else:

@@ -118,7 +118,7 @@ def _run(be, send, recv, op, compressor, k, seg, key):
     # 2. reduce my segment in float32
     parts = be.scratch("parts", padded, torch.float32, dev)
     compressor.decompress(received, parts, chunks=chunks, dtype=send.dtype)
-    mine = reduce_rows(parts.view(n, seg), op)
+    mine = reduce_rows(parts.view(n, seg), op, out=be.scratch("mine", seg, torch.float32, dev))
     # 3. gather: every rank's re-compressed segment
     own_size = compressor.payload_numel(seg, chunks=k)
     own = compressor.compress(mine.to(send.dtype), chunks=k, key=f"{key}/gather",

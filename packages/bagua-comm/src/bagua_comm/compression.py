@@ -133,7 +133,9 @@ class MinMaxUInt8(Compressor):
         chunks: number of equal chunks the flat input is split into (each gets its own
             min/max); the input's numel must be a multiple of it.
         error_feedback: keep the quantisation residual per ``key`` and add it to the next
-            input compressed under that key.
+            input compressed under that key.  Each key holds two float32 buffers of the
+            input's size, reused call after call: the residual (updated in place, so a
+            tensor from :meth:`residual` follows it) and the corrected input.
     """
 
     def __init__(self, chunks: int = 1, *, error_feedback: bool = False):
@@ -142,6 +144,7 @@ class MinMaxUInt8(Compressor):
         self.chunks = chunks
         self.error_feedback = bool(error_feedback)
         self._residuals: dict[str, torch.Tensor] = {}
+        self._corrected: dict[str, torch.Tensor] = {}    # error feedback's scratch, per key
 
     def __repr__(self) -> str:
         return f"MinMaxUInt8(chunks={self.chunks}, error_feedback={self.error_feedback})"
@@ -179,19 +182,27 @@ class MinMaxUInt8(Compressor):
                                  f"on {flat.device}")
         if not self.error_feedback:
             return _compress(flat, chunks, out)
-        corrected = flat.to(torch.float32, copy=True)  # never modify the caller's tensor
         res = self._residuals.get(key)
-        if res is not None:
-            if res.shape != corrected.shape or res.device != corrected.device:
-                raise ValueError(f"error-feedback residual for key {key!r} has "
-                                 f"{res.numel()} elements on {res.device}; this tensor has "
-                                 f"{corrected.numel()} on {corrected.device}: use one key "
-                                 "per tensor (or reset_residuals())")
-            corrected = corrected.add_(res)
+        if res is not None and (res.shape != flat.shape or res.device != flat.device):
+            raise ValueError(f"error-feedback residual for key {key!r} has "
+                             f"{res.numel()} elements on {res.device}; this tensor has "
+                             f"{flat.numel()} on {flat.device}: use one key "
+                             "per tensor (or reset_residuals())")
+        # corrected = float32(tensor) + residual, in this key's reused buffer (never in the
+        # caller's tensor); the decoding then lands in the residual's buffer, which becomes
+        # corrected - decoded in place: no full-size allocation after a key's first call.
+        corrected = self._corrected.get(key)
+        if corrected is None or corrected.shape != flat.shape or corrected.device != flat.device:
+            corrected = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
+            self._corrected[key] = corrected
+        if res is None:
+            corrected.copy_(flat)
+            res = torch.empty_like(corrected)
+        else:
+            torch.add(flat, res, out=corrected)
         payload = _compress(corrected.to(tensor.dtype), chunks, out)
-        decoded = torch.empty_like(corrected)
-        _decompress(payload, decoded, chunks, tensor.dtype)
-        res = corrected.sub_(decoded)
+        _decompress(payload, res, chunks, tensor.dtype)          # res holds the decoding
+        torch.sub(corrected, res, out=res)                       # ... and now the residual
         bad = nonfinite_chunks(payload, chunks, tensor.dtype)
         if bad.any():  # a NaN/inf chunk must not poison later steps through its residual
             res.view(chunks, -1)[bad] = 0
@@ -226,11 +237,15 @@ class MinMaxUInt8(Compressor):
 
     # -- error-feedback state -----------------------------------------------------------------
     def residual(self, key: str = "default") -> torch.Tensor | None:
-        """The float32 residual stored under ``key`` (None before the first compression)."""
-        return self._residuals.get(key)
+        """A copy of the float32 residual stored under ``key`` (None before the first
+        compression).  A copy, because the stored residual is updated in place by every later
+        ``compress`` with the same key."""
+        r = self._residuals.get(key)
+        return None if r is None else r.clone()
 
     def reset_residuals(self) -> None:
         self._residuals.clear()
+        self._corrected.clear()
 
     def state_dict(self) -> dict:
         return {"chunks": self.chunks, "error_feedback": self.error_feedback,

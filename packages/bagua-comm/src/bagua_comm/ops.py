@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+import torch
 import torch.distributed as dist
 
 
@@ -35,12 +36,25 @@ def to_torch(op: ReduceOp):
     return dist.ReduceOp.SUM if op is ReduceOp.AVG else _TORCH[op]
 
 
-def reduce_rows(rows, op: ReduceOp):
-    """Reduce a (ranks, n) float tensor over its first dimension (SUM, AVG, MIN or MAX)."""
+_BITWISE = {ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or,
+            ReduceOp.BXOR: torch.bitwise_xor}
+
+
+def reduce_rows(rows, op: ReduceOp, out=None):
+    """Reduce a (ranks, n) tensor over its first dimension (rows in rank order), into
+    ``out`` (n elements, reused by the caller) when given."""
     op = ReduceOp(op)
     if op is ReduceOp.MIN:
-        return rows.amin(0)
+        return rows.amin(0) if out is None else torch.amin(rows, 0, out=out)
     if op is ReduceOp.MAX:
-        return rows.amax(0)
-    out = rows.sum(0)
+        return rows.amax(0) if out is None else torch.amax(rows, 0, out=out)
+    if op is ReduceOp.PRODUCT:
+        return torch.prod(rows, 0, dtype=rows.dtype, out=out)
+    if op in _BITWISE:
+        fn = _BITWISE[op]
+        acc = rows[0].clone() if out is None else out.copy_(rows[0])
+        for row in rows[1:]:
+            fn(acc, row, out=acc)
+        return acc
+    out = rows.sum(0) if out is None else torch.sum(rows, 0, out=out)
     return out.div_(rows.shape[0]) if op is ReduceOp.AVG else out

@@ -11,6 +11,7 @@ random numbers, or ignore ``param_groups``.
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -48,6 +49,25 @@ def _state_equal(fused: dict, singles: list[dict], shapes) -> str | None:
     return None
 
 
+def _eager_state(optimizer: torch.optim.Optimizer, group: dict, params: list) -> dict:
+    """The state ``optimizer``'s class gives ``params`` in its constructor, before any step.
+
+    Most optimizers create their state lazily, in the first step; some create it in
+    ``__init__`` and read it unconditionally in ``step`` (Adagrad before torch 2.5 reads
+    ``state["sum"]``).  A fresh instance built on the probe parameters with the group's
+    hyper-parameters shows which; a constructor that does not take them gives no state.
+    """
+    cls = type(optimizer)
+    cls = getattr(cls, "_bagua_unfused_class", cls)     # a fused optimizer's own class
+    try:
+        accepted = inspect.signature(cls.__init__).parameters
+        kwargs = {k: v for k, v in group.items() if k != "params" and k in accepted}
+        fresh = cls(params, **kwargs)
+    except Exception:   # a constructor we cannot call with the group: lazy state it is
+        return {}
+    return {p: dict(fresh.state[p]) for p in params if fresh.state.get(p)}
+
+
 def probe(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
           device: torch.device, step: Callable, kinds: dict | None = None) -> str | None:
     """Why ``group``'s update is not elementwise for ``dtype``/``device``; None if it is.
@@ -74,6 +94,7 @@ def probe(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
             g["lr"] = 1e-2              # a warm-up may start at 0: probe a real update
         twin.param_groups = [g]
         twin.state = defaultdict(dict)
+        twin.state.update(_eager_state(optimizer, group, params))
         return twin
 
     a, b = clone_opt(singles), clone_opt([flat])

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from ..ops import ReduceOp, to_torch
+from ..ops import ReduceOp, reduce_rows, to_torch
 from ..work import finish
 from . import Backend
 
@@ -126,6 +126,8 @@ class GlooBackend(Backend):
         return finish([h], async_op=async_op)
 
     def reduce_scatter(self, send, recv, op, async_op):
+        if op not in (ReduceOp.SUM, ReduceOp.AVG):
+            return self._reduce_scatter_rows(send, recv, op, async_op)
         opts = self._rs_opts[op]
         try:
             h, buf = self.pg._reduce_scatter_base(recv, send, opts), recv
@@ -143,6 +145,18 @@ class GlooBackend(Backend):
                 buf.div_(size)
             if buf is not recv:
                 recv.copy_(buf)
+
+        return finish([h], then, async_op)
+
+    def _reduce_scatter_rows(self, send, recv, op, async_op):
+        """PRODUCT/MIN/MAX/bitwise reduce_scatter: every rank's part ``r`` to rank ``r`` (an
+        alltoall, the same bytes as a ring reduce_scatter), reduced here in rank order.
+        gloo's own reduce_scatter sums whatever op it is given in torch 2.4."""
+        rows = torch.empty((self.size, recv.numel()), dtype=send.dtype)
+        h = self.pg.alltoall_base(rows, send.reshape(-1), [], [], self._a2a_opts)
+
+        def then():
+            reduce_rows(rows, op, out=recv.view(-1))
 
         return finish([h], then, async_op)
 
