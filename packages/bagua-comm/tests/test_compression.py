@@ -141,7 +141,7 @@ def test_error_feedback_reuses_its_two_buffers_step_after_step(dtype):
         assert torch.equal(ef.compress(g, key="w"), want)
         res = corrected - plain.decompress(want, torch.empty(256), dtype=dtype)
         assert torch.equal(ef.residual("w"), res)
-        buffers.add((ef.residual("w").data_ptr(), ef._corrected["w"].data_ptr()))
+        buffers.add((ef._residuals["w"].data_ptr(), ef._corrected["w"].data_ptr()))
     assert len(buffers) == 1, "error feedback allocated full-size buffers again"
 
 
@@ -183,3 +183,15 @@ def test_bad_input_names_the_argument():
         c.decompress(payload.float(), torch.empty(8))
     with pytest.raises(ValueError, match="out must be float32"):
         c.decompress(payload, torch.empty(8, dtype=torch.int32))
+
+
+def test_a_returned_residual_is_a_snapshot():
+    """residual() hands out a copy: the stored residual is updated in place by later calls."""
+    ef = MinMaxUInt8(2, error_feedback=True)
+    gen = torch.Generator().manual_seed(9)
+    ef.compress(torch.randn(64, generator=gen), key="k")
+    first = ef.residual("k")
+    kept = first.clone()
+    ef.compress(torch.randn(64, generator=gen), key="k")
+    assert torch.equal(first, kept)
+    assert not torch.equal(ef.residual("k"), kept)
