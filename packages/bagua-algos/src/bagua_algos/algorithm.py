@@ -153,22 +153,24 @@ class AlgorithmImpl:
         open_: OrderedDict[Any, list] = OrderedDict()
         sizes: dict[Any, int] = {}
         buckets = []
-        started: set = set()
+        started: set = set()      # keys whose capped first bucket has closed
+
+        def close(key) -> None:
+            buckets.append(open_[key])
+            open_[key], sizes[key] = [], 0
+
         for t in tensors:
             key = (t.dtype, t.device)
             open_.setdefault(key, [])
             nbytes = t.numel() * t.element_size()
-            cap = bucket_size if key in started else min(bucket_size, FIRST_BUCKET_SIZE)
-            if open_[key] and sizes[key] + nbytes > cap and cap == bucket_size:
-                started.add(key)
-                buckets.append(open_[key])
-                open_[key], sizes[key] = [], 0
+            first = key not in started and bucket_size > FIRST_BUCKET_SIZE
+            if not first and open_[key] and sizes[key] + nbytes > bucket_size:
+                close(key)                   # this tensor would overfill the bucket
             open_[key].append(t)
             sizes[key] = sizes.get(key, 0) + nbytes
-            if key not in started and cap < bucket_size and sizes[key] >= cap:
+            if first and sizes[key] >= FIRST_BUCKET_SIZE:
                 started.add(key)             # the first bucket reached 1 MiB: close it
-                buckets.append(open_[key])
-                open_[key], sizes[key] = [], 0
+                close(key)
         buckets.extend(b for b in open_.values() if b)
         order = {id(t): i for i, t in enumerate(tensors)}
         return sorted(buckets, key=lambda b: order[id(b[0])])   # launch in readiness order

@@ -45,9 +45,9 @@ def reduce_rows(rows, op: ReduceOp, out=None):
     ``out`` (n elements, reused by the caller) when given."""
     op = ReduceOp(op)
     if op is ReduceOp.MIN:
-        return rows.amin(0) if out is None else torch.amin(rows, 0, out=out)
+        return torch.amin(rows, 0, out=out)
     if op is ReduceOp.MAX:
-        return rows.amax(0) if out is None else torch.amax(rows, 0, out=out)
+        return torch.amax(rows, 0, out=out)
     if op is ReduceOp.PRODUCT:
         return torch.prod(rows, 0, dtype=rows.dtype, out=out)
     if op in _BITWISE:
@@ -56,5 +56,5 @@ def reduce_rows(rows, op: ReduceOp, out=None):
         for row in rows[1:]:
             fn(acc, row, out=acc)
         return acc
-    out = rows.sum(0) if out is None else torch.sum(rows, 0, out=out)
+    out = torch.sum(rows, 0, out=out)
     return out.div_(rows.shape[0]) if op is ReduceOp.AVG else out
