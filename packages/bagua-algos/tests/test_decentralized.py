@@ -153,7 +153,7 @@ def test_matches_reference_update_rule(two_ranks, case):
 
 
 def test_shift_one_pairing_rotates_halves():
-    from bagua_algos.decentralized import shift_one_peer
+    from bagua_algos.algorithms.decentralized import shift_one_peer
 
     for world in (2, 4, 6, 8):
         for round_ in range(world):
@@ -171,8 +171,8 @@ def test_peer_exchanges_post_every_receive_before_any_send(monkeypatch):
     own large send, that notice queues behind it and the two directions take turns."""
     from types import SimpleNamespace
 
-    import bagua_algos.decentralized as dec
-    import bagua_algos.low_precision_decentralized as lpd
+    import bagua_algos.algorithms.decentralized as dec
+    import bagua_algos.algorithms.low_precision_decentralized as lpd
 
     calls = []
 

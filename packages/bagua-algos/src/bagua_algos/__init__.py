@@ -9,13 +9,16 @@
 
 from ._version import __version__
 from .algorithm import Algorithm, AlgorithmImpl
-from .async_model_average import AsyncModelAverage
-from .bytegrad import ByteGrad
-from .decentralized import Decentralized
-from .gradient_allreduce import GradientAllReduce
-from .low_precision_decentralized import LowPrecisionDecentralized
+from .algorithms import (
+    AsyncModelAverage,
+    ByteGrad,
+    Decentralized,
+    GradientAllReduce,
+    LowPrecisionDecentralized,
+    QAdam,
+    QAdamOptimizer,
+)
 from .module import BaguaModule, with_bagua
-from .q_adam import QAdam, QAdamOptimizer
 
 __all__ = [
     "Algorithm", "AlgorithmImpl", "AsyncModelAverage", "BaguaModule", "ByteGrad",

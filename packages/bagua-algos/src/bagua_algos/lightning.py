@@ -61,8 +61,8 @@ except ImportError as err:      # pragma: no cover - exercised only without Ligh
 import bagua_comm as bc
 
 from .algorithm import Algorithm
+from .algorithms.q_adam import QAdam, QAdamOptimizer
 from .module import BaguaModule, with_bagua
-from .q_adam import QAdam, QAdamOptimizer
 
 __all__ = ["BaguaStrategy"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import bagua_comm as bc
 
-from ._comm import Reducer, prepare_hierarchy
-from .algorithm import Algorithm, AlgorithmImpl
+from .._comm import Reducer, prepare_hierarchy
+from ..algorithm import Algorithm, AlgorithmImpl
 
 
 def _check_bool(name, value):

@@ -9,10 +9,10 @@ import torch
 
 import bagua_comm as bc
 
-from ._compression import check_compressor
-from .algorithm import Algorithm, AlgorithmImpl
+from .._checks import check_bool
+from .._compression import check_compressor
+from ..algorithm import Algorithm, AlgorithmImpl
 from .bytegrad import CompressedAllReduce, reset_residuals_note
-from .decentralized import check_bool
 
 
 class QAdamOptimizer(torch.optim.Optimizer):

@@ -7,11 +7,11 @@ import torch
 
 import bagua_comm as bc
 
-from ._comm import Reducer
-from ._compression import alignment, check_compressor, make_compressor
-from ._state import export_flat, import_flat
-from .algorithm import Algorithm, AlgorithmImpl
-from .decentralized import check_bool, check_interval
+from .._checks import check_bool, check_interval
+from .._comm import Reducer
+from .._compression import alignment, check_compressor, make_compressor
+from .._state import export_flat, import_flat
+from ..algorithm import Algorithm, AlgorithmImpl
 
 
 class LowPrecisionDecentralized(Algorithm, name="low_precision_decentralized"):

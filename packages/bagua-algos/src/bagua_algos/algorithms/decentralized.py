@@ -7,20 +7,11 @@ import torch
 
 import bagua_comm as bc
 
-from ._comm import Reducer
-from .algorithm import Algorithm, AlgorithmImpl
+from .._checks import check_bool, check_interval
+from .._comm import Reducer
+from ..algorithm import Algorithm, AlgorithmImpl
 
 PEER_SELECTION_MODES = ("all", "shift_one")
-
-
-def check_interval(value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"communication_interval must be an int >= 1, got {value!r}")
-
-
-def check_bool(name, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def shift_one_peer(rank: int, size: int, round_: int) -> int:

@@ -10,9 +10,9 @@ import torch
 
 import bagua_comm as bc
 
-from ._comm import Reducer
-from ._state import export_flat, import_flat
-from .algorithm import Algorithm, AlgorithmImpl
+from .._comm import Reducer
+from .._state import export_flat, import_flat
+from ..algorithm import Algorithm, AlgorithmImpl
 
 
 class AsyncModelAverage(Algorithm, name="async"):

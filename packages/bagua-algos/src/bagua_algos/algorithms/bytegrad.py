@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import bagua_comm as bc
 
-from ._comm import Reducer
-from ._compression import (
+from .._checks import check_bool
+from .._comm import Reducer
+from .._compression import (
     CompressorState,
     alignment,
     check_chunks,
     check_compressor,
     make_compressor,
 )
-from .algorithm import Algorithm, AlgorithmImpl
-from .decentralized import check_bool
+from ..algorithm import Algorithm, AlgorithmImpl
 
 
 class ByteGrad(Algorithm, name="bytegrad"):

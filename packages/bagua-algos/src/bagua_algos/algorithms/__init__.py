@@ -1,0 +1,20 @@
+"""The algorithms, one module each.
+
+Each module defines a user-facing :class:`~bagua_algos.Algorithm` subclass (registered under its
+name for ``Algorithm.init``) and the :class:`~bagua_algos.AlgorithmImpl` that runs it. They share
+the wrapper's machinery one level up: ``module.py`` (``with_bagua``), ``_bucket.py`` (buckets),
+``_comm.py`` (the reducer), ``_compression.py``, ``_state.py`` (checkpointed state) and
+``_autotune.py``. A new algorithm is a new module here plus one line in this file.
+"""
+
+from .async_model_average import AsyncModelAverage
+from .bytegrad import ByteGrad
+from .decentralized import Decentralized
+from .gradient_allreduce import GradientAllReduce
+from .low_precision_decentralized import LowPrecisionDecentralized
+from .q_adam import QAdam, QAdamOptimizer
+
+__all__ = [
+    "AsyncModelAverage", "ByteGrad", "Decentralized", "GradientAllReduce",
+    "LowPrecisionDecentralized", "QAdam", "QAdamOptimizer",
+]
