@@ -124,6 +124,9 @@ def _make_tests(package: str):
 def _make_build(package: str):
     def build(session: nox.Session) -> None:
         wheel = _build(session, package)
+        # The metadata PyPI would render (README as long description, classifiers, license).
+        session.install("twine>=6")
+        session.run("twine", "check", "--strict", *map(str, sorted(wheel.parent.iterdir())))
         # A fresh venv with nothing from this repo but the wheel (and its declared siblings).
         venv = Path(session.create_tmp()) / "fresh"
         session.run("python", "-m", "venv", "--clear", str(venv))
@@ -136,7 +139,8 @@ def _make_build(package: str):
         session.run(*pip, str(wheel), external=True)
         _check_import_alone(session, package, py)
 
-    build.__doc__ = f"Build {package}'s sdist and wheel; install the wheel alone; import it."
+    build.__doc__ = (f"Build {package}'s sdist and wheel, twine-check both, install the wheel "
+                     "alone in a fresh venv and import it.")
     return build
 
 
