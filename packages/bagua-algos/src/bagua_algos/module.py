@@ -13,7 +13,7 @@ from torch.autograd import Variable
 
 import bagua_comm as bc
 
-from . import _autotune
+from . import _autotune, _consistency
 from ._bucket import BaguaBucket
 from .algorithm import Algorithm, AlgorithmImpl, BaguaContext
 
@@ -73,6 +73,9 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
             "(step counter, error-feedback residuals, replicas) was dropped: load checkpoints "
             "after with_bagua: model = with_bagua(model, [optimizer], algorithm); "
             "model.load_state_dict(ck['model']); optimizer.load_state_dict(ck['optimizer'])")
+    _consistency.check_same_on_every_rank(_consistency.configuration(
+        model, optimizers, algorithm,
+        {"do_flatten": do_flatten, "bucket_size": bucket_size, "autotune": autotune}), group)
     return BaguaModule(model, optimizers, algorithm, group, do_flatten, bucket_size,
                        autotune=autotune)
 
@@ -362,11 +365,20 @@ class BaguaModule(torch.nn.Module):
         world, rank = self.group.size, self.group.rank
         saved_world = int(state.get("world_size", world))
         saved_rank = int(state.get("rank", rank))
-        if saved_world == world and saved_rank == rank:
-            self.impl.load_state_dict(state["impl"])          # exact
-            return
-        note = self.impl.load_foreign_state_dict(state["impl"], world_size=saved_world,
-                                                  rank=saved_rank)
+        try:
+            if saved_world == world and saved_rank == rank:
+                self.impl.load_state_dict(state["impl"])          # exact
+                return
+            note = self.impl.load_foreign_state_dict(state["impl"], world_size=saved_world,
+                                                      rank=saved_rank)
+        except (KeyError, TypeError, IndexError) as err:
+            saved = state.get("impl")
+            keys = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+            raise ValueError(
+                f"the checkpoint's {self.algorithm.name} state is incomplete or not from "
+                f"bagua_algos ({type(err).__name__}: {err}; it holds {keys}): load the "
+                f"optimizer state_dict saved by this algorithm, or drop its "
+                f"{_STATE_KEY!r} entry to start the algorithm's state afresh") from err
         if saved_world != world and not note:
             note = "nothing is per rank; the step counter and optimizer state are restored"
         # One line per job: the lowest rank that resets anything says it.

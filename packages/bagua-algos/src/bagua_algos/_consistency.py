@@ -1,0 +1,95 @@
+"""Every rank must wrap the same model with the same configuration.
+
+A rank that disagrees (another compressor, autotuning on one rank only, a model of another
+shape) would otherwise fail deep inside a collective: gloo's size check kills the process, a
+bucket allreduce of another length hangs until the timeout.  :func:`check_same_on_every_rank`
+runs once in ``with_bagua``, before the first broadcast: rank 0's description is broadcast,
+each rank compares it with its own, and a MAX-allreduce of one flag per field tells every rank
+which fields differ somewhere, so all ranks raise the same ``ValueError`` together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+import bagua_comm as bc
+
+_SIMPLE = (bool, int, float, str, type(None))
+
+
+def describe(value, depth: int = 0) -> str:
+    """A description of ``value`` that is equal on two ranks exactly when their settings are:
+    built from types and public attributes, never from ``id()``-based default reprs."""
+    if isinstance(value, _SIMPLE):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(describe(v, depth + 1) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    if isinstance(value, dict):
+        items = sorted((str(k), describe(v, depth + 1)) for k, v in value.items())
+        return "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
+    if isinstance(value, torch.Tensor):
+        return f"tensor({tuple(value.shape)}, {value.dtype})"
+    name = f"{type(value).__module__}.{type(value).__qualname__}"
+    if depth >= 3 or not hasattr(value, "__dict__"):
+        return name
+    attrs = {k: v for k, v in vars(value).items()
+             if not k.startswith("_") and (isinstance(v, _SIMPLE + (list, tuple, dict))
+                                           or hasattr(v, "__dict__"))
+             and not callable(v)}
+    inner = ", ".join(f"{k}={describe(v, depth + 1)}" for k, v in sorted(attrs.items()))
+    return f"{name}({inner})"
+
+
+def _model_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.requires_grad};".encode())
+    n_params = sum(1 for _ in model.parameters())
+    return f"{n_params} parameters, {sum(1 for _ in model.buffers())} buffers, " \
+           f"shapes sha256 {h.hexdigest()[:12]}"
+
+
+def configuration(model, optimizers, algorithm, settings: dict) -> dict[str, str]:
+    """What must be equal on every rank, field by field (the field names appear in errors)."""
+    out = {
+        "algorithm": describe(algorithm),
+        "model (parameter and buffer names, shapes, dtypes, requires_grad)": _model_digest(model),
+        "optimizers": describe([f"{type(o).__module__}.{type(o).__qualname__} with "
+                                f"{[len(g['params']) for g in o.param_groups]} params per group"
+                                for o in optimizers]),
+    }
+    out.update({k: describe(v) for k, v in settings.items()})
+    return out
+
+
+def check_same_on_every_rank(config: dict[str, str], group: bc.ProcessGroup) -> None:
+    """Raise the same ``ValueError`` on every rank when any rank's ``config`` differs from
+    rank 0's (two collectives; nothing else has been sent yet)."""
+    if group.size == 1:
+        return
+    fields = list(config)
+    reference = bc.broadcast_object(config if group.rank == 0 else None, 0, group=group)
+    if list(reference) != fields:        # another bagua_algos version on rank 0
+        mine = torch.ones(len(fields), dtype=torch.int32)
+    else:
+        mine = torch.tensor([int(reference[f] != config[f]) for f in fields], dtype=torch.int32)
+    anywhere = mine.clone()
+    bc.allreduce_inplace(anywhere, op=bc.ReduceOp.MAX, group=group)
+    bad = [f for f, flag in zip(fields, anywhere.tolist()) if flag]
+    if not bad:
+        return
+    lines = []
+    for f in bad:
+        if mine[fields.index(f)]:
+            lines.append(f"  {f}: rank 0 has {reference.get(f, '<missing>')}, "
+                         f"rank {group.rank} has {config[f]}")
+        else:
+            lines.append(f"  {f}: differs on another rank (this rank {group.rank} agrees with "
+                         f"rank 0: {config[f]})")
+    raise ValueError("with_bagua: every rank must pass the same model and configuration, "
+                     "but they differ:\n" + "\n".join(lines)
+                     + "\n(check the code path and environment variables, such as "
+                       "BAGUA_AUTOTUNE, of the ranks named)")

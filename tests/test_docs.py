@@ -1,0 +1,64 @@
+"""The documentation site: every page in mkdocs.yml's nav exists, and every figure a page embeds
+is in the repository and is a real image (a page that shows a broken picture fails CI, not the
+reader)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.rglob("*.md"))
+# ![alt](path "title") and <img src="path">
+_MD_IMAGE = re.compile(r"!\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_HTML_IMAGE = re.compile(r"<img\s[^>]*src=[\"']([^\"']+)[\"']", re.IGNORECASE)
+_MAGIC = {".png": b"\x89PNG\r\n\x1a\n", ".svg": b"<", ".jpg": b"\xff\xd8", ".jpeg": b"\xff\xd8"}
+
+
+def images(page: Path) -> list[str]:
+    text = page.read_text(encoding="utf-8")
+    text = re.sub(r"```.*?```", "", text, flags=re.S)      # code blocks show syntax, not images
+    return _MD_IMAGE.findall(text) + _HTML_IMAGE.findall(text)
+
+
+def test_parser_finds_both_syntaxes():
+    page = "a ![loss](img/a.png) b <img alt='x' src=\"img/b.svg\"> ```![no](c.png)```"
+    tmp = DOCS / "_probe_not_a_page.md"
+    try:
+        tmp.write_text(page)
+        assert images(tmp) == ["img/a.png", "img/b.svg"]
+    finally:
+        tmp.unlink()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
+def test_every_embedded_figure_exists(page):
+    for ref in images(page):
+        assert not re.match(r"[a-z]+://", ref), f"{page.name}: {ref} is remote; commit the figure"
+        path = (page.parent / ref.split("#")[0]).resolve()
+        assert path.is_file(), f"{page.relative_to(ROOT)} embeds {ref}, which does not exist"
+        magic = _MAGIC.get(path.suffix.lower())
+        assert magic is not None, f"{ref}: use .png, .svg or .jpg"
+        head = path.read_bytes()[:16].lstrip()
+        assert head.startswith(magic), f"{ref} is not a {path.suffix} file"
+
+
+def test_every_committed_figure_is_shown():
+    shown = {(page.parent / ref).resolve() for page in PAGES for ref in images(page)}
+    orphans = [p.relative_to(ROOT) for p in sorted((DOCS / "img").glob("*"))
+               if p.resolve() not in shown]
+    assert not orphans, f"figures no page embeds: {orphans}"
+
+
+def test_the_site_has_figures():
+    assert sum(len(images(p)) for p in PAGES) >= 3, "the docs site should show its benchmarks"
+
+
+def test_nav_pages_exist():
+    nav = re.findall(r":\s*([\w/.-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), flags=re.M)
+    assert nav, "no pages found in mkdocs.yml's nav"
+    missing = [p for p in nav if not (DOCS / p).is_file()]
+    assert not missing, f"mkdocs.yml nav names missing pages: {missing}"
