@@ -77,6 +77,22 @@ def _ranks_main():
     x = _x(r, 1001, torch.float32)
     bc.compressed_allreduce(x, x, compressor=Float16By8(2), key="aligned", async_op=True).wait()
     res["aligned in place"] = x.numpy()
+
+    class Overlong(Float16):
+        """Breaks its own contract: 32 bytes more than payload_numel() said."""
+
+        def compress(self, tensor, **kw):
+            kw.pop("out", None)
+            return torch.cat([super().compress(tensor, **kw), torch.zeros(32, dtype=torch.uint8)])
+
+    try:
+        bc.compressed_allreduce(x, torch.empty_like(x), compressor=Overlong(2))
+        res["overlong"] = None
+    except ValueError as err:
+        res["overlong"] = str(err)
+    t = torch.ones(2)
+    bc.allreduce_inplace(t)                       # the group still works afterwards
+    res["after"] = t.tolist()
     return res
 
 
@@ -91,6 +107,10 @@ def test_readme_compressor_through_compressed_allreduce():
     want = _reference([_x(r, 1001, torch.float32) for r in range(WORLD)], "avg")
     for r in range(WORLD):
         np.testing.assert_array_equal(results[r]["aligned in place"], want)
+        msg = results[r]["overlong"]
+        assert msg is not None and "Overlong.compress()" in msg, msg
+        assert "payload_numel() promised a uint8 tensor of" in msg
+        assert results[r]["after"] == [2.0, 2.0]
 
 
 def test_readme_compressor_roundtrip_and_out():

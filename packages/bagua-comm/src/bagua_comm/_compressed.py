@@ -98,6 +98,18 @@ def _unit(compressor, chunks, k, n):
     return math.lcm(whole, n * part)
 
 
+def _check_payload(compressor, payload, size, numel, chunks) -> None:
+    """A compressor's output must be the uint8 tensor its ``payload_numel`` promised (every rank
+    runs the same compressor on the same sizes, so every rank raises together)."""
+    if (not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8
+            or payload.numel() != size):
+        got = (f"{payload.dtype} tensor of {payload.numel()} elements"
+               if isinstance(payload, torch.Tensor) else type(payload).__name__)
+        raise ValueError(f"{type(compressor).__name__}.compress() of {numel} elements in "
+                         f"{chunks} chunks returned a {got}, but its payload_numel() promised "
+                         f"a uint8 tensor of {size}: compress() and payload_numel() must agree")
+
+
 def _run(be, send, recv, op, compressor, k, seg, key):
     n = be.group.size
     chunks = n * k
@@ -113,6 +125,7 @@ def _run(be, send, recv, op, compressor, k, seg, key):
     size = compressor.payload_numel(padded, chunks=chunks)
     payload = compressor.compress(x, chunks=chunks, key=f"{key}/scatter",
                                   out=be.scratch("payload", size, torch.uint8, dev))
+    _check_payload(compressor, payload, size, padded, chunks)
     received = be.scratch("received", size, torch.uint8, dev)
     be.exchange(received.view(n, -1), payload.view(n, -1))
     # 2. reduce my segment in float32
@@ -123,6 +136,7 @@ def _run(be, send, recv, op, compressor, k, seg, key):
     own_size = compressor.payload_numel(seg, chunks=k)
     own = compressor.compress(mine.to(send.dtype), chunks=k, key=f"{key}/gather",
                               out=be.scratch("own", own_size, torch.uint8, dev))
+    _check_payload(compressor, own, own_size, seg, k)
     gathered = be.scratch("gathered", n * own_size, torch.uint8, dev)
     be.exchange(gathered.view(n, -1), [own] * n)
     # 4. decode everything
