@@ -1,6 +1,7 @@
 """torch.distributed.init_process_group first, then bagua_comm: it adopts torch's group."""
 
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -47,3 +48,35 @@ def test_init_after_torch_adopts_its_default_group(tmp_path):
         assert max(abs(a - b) for a, b in zip(out["compressed"], ref)) < 21 * 2 / 255 + 1e-5
         assert out["sub"] == 1
         assert out["torch_still_initialised"]
+
+
+def _adopt_with_timeout(store_path):
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    bc.init_process_group(timeout=timedelta(seconds=3))   # the user's T, on top of torch's
+    x = torch.ones(4)
+    bc.allreduce_inplace(x)                               # works while both answer
+    bc.barrier()
+    if rank == 1:                                         # stop answering until released
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not store.check(["released"]):
+            time.sleep(0.05)
+        return None
+    start = time.monotonic()
+    try:
+        bc.allreduce_inplace(x)
+        error = None
+    except Exception as err:  # any error is the expected outcome
+        error = f"{type(err).__name__}: {err}"
+    elapsed = time.monotonic() - start
+    store.set("released", "1")
+    return elapsed, error, x.tolist()
+
+
+def test_the_timeout_given_on_top_of_torchs_group_bounds_the_default_group(tmp_path):
+    elapsed, error, _ = run_ranks(_adopt_with_timeout, 2, args=(str(tmp_path / "store"),),
+                                  init=False, timeout=90)[0]
+    assert error is not None, "the allreduce completed although the peer never joined"
+    assert 1.5 < elapsed < 3 + 12, f"raised after {elapsed:.1f}s (asked: 3 s): {error}"

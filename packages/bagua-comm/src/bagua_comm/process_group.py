@@ -247,8 +247,10 @@ def init_process_group(backend: str = "auto", *, store=None, rank=None, world_si
 
     If ``torch.distributed`` is already initialised (``torch.distributed.init_process_group``
     was called first), bagua_comm adopts its default group: its rank, world size and timeout
-    (unless ``timeout`` is given), and with ``backend="auto"`` its backend (``nccl`` when
-    torch's group has NCCL and bagua's NCCL backend can be used, else ``gloo``).
+    (unless ``timeout`` is given: then bagua_comm's default group is a gloo group of its own
+    with that timeout, since torch's keeps the one it was created with), and with
+    ``backend="auto"`` its backend (``nccl`` when torch's group has NCCL and bagua's NCCL
+    backend can be used, else ``gloo``).
 
     ``timeout`` bounds every collective of every group bagua_comm creates (the default
     group, :func:`new_group`, the intra-/inter-node groups and the internal ones behind
@@ -288,9 +290,12 @@ def init_process_group(backend: str = "auto", *, store=None, rank=None, world_si
                          f"got {local_world_size}")
     if store is None and rank == 0 and (hazard := _shared_store_hazard()) is not None:
         warnings.warn(hazard, RuntimeWarning, stacklevel=2)   # one line per job
+    own_world = False      # adopted: a gloo group of our own when torch's cannot serve
     if adopt:
         if timeout == _DEFAULT_TIMEOUT:
             timeout = _torch_timeout(timeout)
+        elif timeout != _torch_timeout(timeout):
+            own_world = True   # torch's group keeps its own timeout: ours gets the one asked
     else:
         kw = {"timeout": timeout, "rank": rank, "world_size": world_size}
         if store is not None:
@@ -310,7 +315,8 @@ def init_process_group(backend: str = "auto", *, store=None, rank=None, world_si
     ranks = list(range(world_size))
     # torch's default group carries CPU tensors only if it has gloo (a user's NCCL-only
     # group does not): then the default group gets a gloo group of its own.
-    world = dist.group.WORLD if not adopt or _has_gloo() else _gloo_group(ranks)
+    world = (dist.group.WORLD if not adopt or (_has_gloo() and not own_world)
+             else _gloo_group(ranks))
     _state.default = ProcessGroup(ranks, world, backend, local_world_size, _gloo_group(ranks))
 
 
