@@ -17,11 +17,13 @@ import torch
 ComplexitySource = Callable[[Any], float] | Sequence[float] | torch.Tensor
 
 
-def compute_complexities(dataset: Any, complexity_fn: ComplexitySource) -> torch.Tensor:
+def compute_complexities(dataset: Any, complexity_fn: ComplexitySource,
+                         name: str = "complexity_fn") -> torch.Tensor:
     """Return a float64 tensor of ``len(dataset)`` finite complexities.
 
     ``complexity_fn`` is either called as ``complexity_fn(dataset[i])`` for every ``i``, or is
-    a sequence of numbers with one entry per sample.
+    a sequence of numbers with one entry per sample.  ``name`` is the argument's name in the
+    caller, for error messages.
     """
     try:
         n = len(dataset)
@@ -35,31 +37,31 @@ def compute_complexities(dataset: Any, complexity_fn: ComplexitySource) -> torch
             try:
                 floats.append(float(value))
             except (TypeError, ValueError, RuntimeError) as err:
-                raise ValueError(f"complexity_fn(dataset[{i}]) must return a real number, got "
+                raise ValueError(f"{name}(dataset[{i}]) must return a real number, got "
                                  f"{type(value).__name__} {value!r:.60}") from err
         values = torch.tensor(floats, dtype=torch.float64)
     else:
-        values = _from_sequence(complexity_fn, n)
+        values = _from_sequence(complexity_fn, n, name)
     bad = (~torch.isfinite(values)).nonzero()
     if bad.numel():
         i = int(bad[0])
-        raise ValueError(f"complexities must be finite; sample {i} has {float(values[i])} "
+        raise ValueError(f"{name} must give finite numbers; sample {i} has {float(values[i])} "
                          f"({bad.numel()} non-finite in all)")
     return values
 
 
-def _from_sequence(source: Any, n: int) -> torch.Tensor:
+def _from_sequence(source: Any, n: int, name: str) -> torch.Tensor:
     if isinstance(source, (str, bytes)):
-        raise ValueError("complexity_fn must be a callable or a sequence of numbers, got a "
-                         "string")
+        raise ValueError(f"{name} must be a callable or a sequence of numbers, got a "
+                         f"string")
     try:
         values = torch.as_tensor(source, dtype=torch.float64).detach().cpu()
     except (TypeError, ValueError, RuntimeError) as err:
-        raise ValueError(f"complexity_fn must be a callable or a sequence of numbers (one per "
+        raise ValueError(f"{name} must be a callable or a sequence of numbers (one per "
                          f"sample); could not read {type(source).__name__} as numbers: "
                          f"{err}") from err
     if values.dim() != 1 or values.numel() != n:
-        raise ValueError(f"a precomputed complexity_fn must be 1-D with one number per sample: "
+        raise ValueError(f"a precomputed {name} must be 1-D with one number per sample: "
                          f"len(dataset) is {n}, got shape {tuple(values.shape)}")
     # A private copy: later edits to the caller's array must not change the order.
     return values.clone()

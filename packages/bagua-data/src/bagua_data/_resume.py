@@ -49,19 +49,22 @@ def check_history(history: Any) -> list[list[int]]:
 def check_state(state: Any, settings: dict[str, Any], what: str) -> list[list[int]]:
     """Validate a saved state against this sampler's settings; return its epoch history.
 
+    ``settings`` holds the values that fix the epoch's order (``ORDER_KEYS`` for the
+    load-balancing samplers); each must be in ``state`` with the same value.
+
     Accepts version 1 states (one world size: ``num_replicas`` and a per-rank ``consumed``).
     """
     if not isinstance(state, dict):
         raise ValueError(f"state must be a dict from {what}.state_dict(), got "
                          f"{type(state).__name__}")
-    missing = [k for k in ("version", "epoch", "consumed", "num_replicas", *ORDER_KEYS)
+    missing = [k for k in ("version", "epoch", "consumed", "num_replicas", *settings)
                if k not in state]
     if missing:
         raise ValueError(f"state is missing {missing}: pass a dict from {what}.state_dict()")
     if state["version"] not in (1, STATE_VERSION):
         raise ValueError(f"state version {state['version']!r} is not supported (expected "
                          f"1 or {STATE_VERSION})")
-    for key in ORDER_KEYS:
+    for key in settings:
         if state[key] != settings[key]:
             raise ValueError(f"cannot resume: the checkpoint was saved with {key}="
                              f"{state[key]!r} but this {what} has {key}={settings[key]!r}; "
