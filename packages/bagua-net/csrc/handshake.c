@@ -271,7 +271,7 @@ static int add_pending(bn_listen_t *l, int fd, const bn_addr_t *addr, uint64_t n
   memset(p, 0, sizeof(*p));
   p->fd = fd;
   p->since_ms = now;
-  if (bn_format_addr(&addr->sa, p->peer, sizeof(p->peer)) != 0)
+  if (bn_format_addr(&addr->sa, p->peer, sizeof(p->peer)) <= 0)
     snprintf(p->peer, sizeof(p->peer), "?");
   return 0;
 }
