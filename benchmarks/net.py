@@ -3,6 +3,7 @@
     python benchmarks/net.py            # 64 KiB .. 256 MiB, 1/2/4/8 streams, both links
     python benchmarks/net.py --quick    # a few sizes, 1 and 4 streams (well under a minute)
     python benchmarks/net.py --link loopback --streams 1,4 --sizes 1M,64M
+    python benchmarks/net.py --baseline-lib /tmp/old/libnccl-net-bagua.so --quick
 
 Two processes drive libnccl-net-bagua.so through its NCCL table (``bagua_net.testing``): the
 receiver listens, the sender connects with ``BAGUA_NET_NSTREAMS`` streams, then for each size
@@ -15,6 +16,11 @@ TCP flow, told apart by source port, at ``--per-flow-mbit``), connections whose 
 share a cap class are re-made, for the plugin and iperf3 alike, so that N streams really are
 N capped flows. Targets (printed, never asserted): on the capped link N streams reach
 0.8 x N x the 1-stream figure and 0.9 x iperf3 -P N; on loopback 0.8 x iperf3 -P N.
+
+``--baseline-lib PATH`` compares this build against another build of the library instead
+(loopback only, no iperf3): for every point the two run back to back, alternating which goes
+first, and the report gives both figures and their ratio, plus the median time to set up a
+connection (listen, connect and accept with N streams, 30 times in one process).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ KiB, MiB = 1 << 10, 1 << 20
 def _role_recv(args) -> None:
     from bagua_net.testing import Plugin
 
-    p = Plugin()
+    p = Plugin(path=args.lib)
     p.init()
     handle, listen = p.listen(0)
     print("HANDLE", handle.hex(), flush=True)
@@ -86,7 +92,7 @@ def _post_receives(p, recv, bufs, size, free, pending, left) -> int:
 def _role_send(args) -> None:
     from bagua_net.testing import Plugin
 
-    p = Plugin()
+    p = Plugin(path=args.lib)
     p.init()
     send = p.connect(bytes.fromhex(args.handle), timeout=120)
     print("PORTS", ",".join(map(str, _own_tcp_ports())), flush=True)
@@ -107,6 +113,30 @@ def _role_send(args) -> None:
                 time.sleep(1e-4)
             pending = still
     p.close_send(send)
+
+
+def _role_setup(args) -> None:
+    """Median seconds to set up a connection (listen, connect/accept until both are up)."""
+    import ctypes
+
+    from bagua_net.testing import Plugin
+
+    p = Plugin(path=args.lib)
+    p.init()
+    times = []
+    for _ in range(args.budget):
+        t0 = time.perf_counter()
+        handle, listen = p.listen(0)
+        buf = ctypes.create_string_buffer(handle, len(handle))
+        send = recv = None
+        while not (send and recv):
+            send = send or p.connect_once(buf)
+            recv = recv or p.accept_once(listen)
+        times.append(time.perf_counter() - t0)
+        p.close_send(send)
+        p.close_recv(recv)
+        p.close_listen(listen)
+    print("RESULT", json.dumps({"seconds": statistics.median(times)}), flush=True)
 
 
 def _own_tcp_ports() -> list[int]:
@@ -197,10 +227,14 @@ class _Lines:
         return line.split(maxsplit=1)[1].strip()
 
 
-def run_plugin(link, nstreams: int, sizes: list[int], budget: int) -> dict[int, float]:
-    """GB/s per size for the plugin with ``nstreams`` streams from host 0 to host 1."""
+def run_plugin(link, nstreams: int, sizes: list[int], budget: int,
+               lib: str | None = None) -> dict[int, float]:
+    """GB/s per size for the plugin (``lib``, default the installed one) with ``nstreams``
+    streams from host 0 to host 1."""
     env = dict(os.environ, BAGUA_NET_NSTREAMS=str(nstreams), PYTHONUNBUFFERED="1")
     common = ["--sizes", ",".join(map(str, sizes)), "--budget", str(budget)]
+    if lib:
+        common += ["--lib", lib]
     me = [sys.executable, str(Path(__file__).resolve())]
     kw = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE,
           "text": True}
@@ -276,6 +310,43 @@ def measure(link, streams, sizes, budget, iperf_seconds, repeat):
     return plugin, iperf
 
 
+def run_setup(nstreams: int, lib: str | None, cycles: int = 30) -> float:
+    """Median seconds to set up one loopback connection with ``nstreams`` streams."""
+    env = dict(os.environ, BAGUA_NET_NSTREAMS=str(nstreams), NCCL_SOCKET_IFNAME="lo")
+    argv = [sys.executable, str(Path(__file__).resolve()), "--role", "setup", "--sizes", "0",
+            "--budget", str(cycles)] + (["--lib", lib] if lib else [])
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=True)
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT"))
+    return json.loads(line.split(maxsplit=1)[1])["seconds"]
+
+
+def compare(baseline: str, streams, sizes, budget, repeat) -> None:
+    """This build against ``baseline`` on loopback, interleaved; prints both and the ratio."""
+    import bagua_net
+
+    ours_lib = bagua_net.library_path()
+    runs = {(lib, n): [] for lib in (ours_lib, baseline) for n in streams}
+    setup = {(lib, n): [] for lib in (ours_lib, baseline) for n in streams}
+    for r in range(repeat):
+        for n in streams:
+            for lib in ((ours_lib, baseline) if r % 2 == 0 else (baseline, ours_lib)):
+                runs[lib, n].append(run_plugin(Loopback(), n, sizes, budget, lib))
+                setup[lib, n].append(run_setup(n, lib))
+    print(f"\n== loopback: this build / baseline ({baseline}), median of {repeat} interleaved "
+          f"rounds; GB/s")
+    print(f"{'size':>10} {'N':>3} {'this':>9} {'baseline':>9} {'ratio':>7}")
+    for n in streams:
+        for s in sizes:
+            ours = statistics.median(x[s] for x in runs[ours_lib, n])
+            base = statistics.median(x[s] for x in runs[baseline, n])
+            print(f"{_fmt_size(s):>10} {n:>3} {ours:9.4f} {base:9.4f} {ours / base:7.3f}")
+    print(f"{'set-up ms':>10} {'N':>3} {'this':>9} {'baseline':>9} {'ratio':>7}")
+    for n in streams:
+        ours = statistics.median(setup[ours_lib, n]) * 1e3
+        base = statistics.median(setup[baseline, n]) * 1e3
+        print(f"{'connect':>10} {n:>3} {ours:9.3f} {base:9.3f} {ours / base:7.3f}")
+
+
 # -- report -----------------------------------------------------------------------------------
 def _fmt_size(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
@@ -324,13 +395,16 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=0,
                     help="rounds per point, median reported (default: loopback 3, quick 2; "
                          "veth 1)")
-    ap.add_argument("--role", choices=["recv", "send"], help=argparse.SUPPRESS)
+    ap.add_argument("--baseline-lib", metavar="PATH",
+                    help="compare this build with another libnccl-net-bagua.so (loopback)")
+    ap.add_argument("--role", choices=["recv", "send", "setup"], help=argparse.SUPPRESS)
+    ap.add_argument("--lib", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--handle", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.role:
         args.sizes = [int(s) for s in args.sizes.split(",")]
-        (_role_recv if args.role == "recv" else _role_send)(args)
+        {"recv": _role_recv, "send": _role_send, "setup": _role_setup}[args.role](args)
         return 0
 
     import bagua_net
@@ -339,6 +413,12 @@ def main(argv=None) -> int:
     full = [64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
     print(f"bagua-net {bagua_net.__version__} ({bagua_net.library_path()}), host "
           f"{socket.gethostname()}, {os.cpu_count()} cores")
+    if args.baseline_lib:
+        sizes = _sizes(args.sizes) if args.sizes else ([64 * KiB, MiB, 16 * MiB] if args.quick
+                                                        else full)
+        compare(str(Path(args.baseline_lib).resolve()), streams, sizes,
+                (64 if args.quick else 512) * MiB, args.repeat or (4 if args.quick else 6))
+        return 0
     if shutil.which("iperf3") is None:
         print("iperf3 is missing (apt-get install -y iperf3): it is the reference")
         return 1

@@ -46,7 +46,7 @@ step_setup() {
   echo "--- build libnccl-net-bagua.so in place (plain cc: no cmake needed)"
   (cd packages/bagua-net && ${CC:-cc} -std=gnu11 -O2 -fPIC -shared -fvisibility=hidden \
       -Wall -Wextra -Wl,-z,nodelete -Wl,--no-undefined -o src/bagua_net/libnccl-net-bagua.so \
-      csrc/plugin.c csrc/transport.c csrc/handshake.c csrc/ifaces.c csrc/log.c -lpthread) || return 1
+      csrc/plugin.c csrc/config.c csrc/transport.c csrc/handshake.c csrc/ifaces.c csrc/log.c -lpthread) || return 1
   $PY -c "import bagua_comm._nccl_loader as L; print('libnccl', L.nccl_version(), L.nccl_library_path())"
 }
 

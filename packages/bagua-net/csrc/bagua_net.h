@@ -14,6 +14,8 @@
 #define BN_MAX_STREAMS 64
 #define BN_DEFAULT_NSTREAMS 8
 #define BN_DEFAULT_MIN_CHUNK ((size_t)1 << 20)
+#define BN_MIN_CHUNK_FLOOR 4096 /* smallest BAGUA_NET_MIN_CHUNKSIZE; receivers rely on it */
+#define BN_DEFAULT_GREETING_MS 10000 /* a connection must greet within this (accept side) */
 
 /* One network device: an interface selected by NCCL_SOCKET_IFNAME. */
 typedef struct {

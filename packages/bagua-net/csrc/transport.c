@@ -1,16 +1,20 @@
-/* The multi-stream TCP transport behind every exported plugin version: configuration,
- * devices, comms and the data path (connection set-up is in handshake.c).
+/* The multi-stream TCP transport behind every exported plugin version: comms and the data
+ * path (configuration is in config.c, connection set-up in handshake.c).
  *
  * A connection is BAGUA_NET_NSTREAMS TCP streams. A message (one isend) is cut into
  * floor(size / BAGUA_NET_MIN_CHUNKSIZE) chunks of equal size (give or take a byte), so none is
  * smaller than the minimum (one chunk when the message is smaller). Each stream has a thread
  * that takes the next chunk from the comm's queue (so faster streams carry more) and writes a
- * 32-byte header {magic, sequence number, message size, offset, length} followed by the bytes.
- * A sender's close ends each stream with a header whose offset is BN_END_OF_STREAM.
+ * 32-byte header {magic, sequence number, message size, offset, chunk index, chunk count}
+ * followed by the bytes. A sender's close ends each stream with a header whose offset is
+ * BN_END_OF_STREAM.
  *
- * On the receiving side each stream has a thread that reads a header, waits for the matching
- * irecv (k-th isend matches k-th irecv), and reads the bytes straight into the posted buffer
- * at that offset; a message is done when all of its bytes have arrived. Threads sleep on a
+ * On the receiving side each stream has a thread that reads a header, checks that its offset
+ * is the one its index implies, waits for the matching irecv (k-th isend matches k-th irecv),
+ * claims the chunk's index under the comm's lock (an index claimed twice, or a chunk for a
+ * message already complete, fails the comm before a byte of its payload is read), and reads
+ * the bytes straight into the posted buffer at that offset; a message is done when the
+ * payload of each of its chunks has been read. Threads sleep on a
  * condition variable or in a blocking socket call when there is nothing to do. test() reads
  * one flag. A request takes any of the 32 slots; threads find it by sequence number.
  *
@@ -33,7 +37,6 @@
 
 #include "transport.h"
 
-#define BN_MIN_CHUNK_FLOOR 4096
 #define BN_END_OF_STREAM UINT64_MAX /* offset of the header that closes a stream */
 
 typedef struct {
@@ -44,8 +47,10 @@ typedef struct {
   char *data;
   size_t size;         /* send: message size; recv: capacity of the posted buffer */
   size_t total;        /* recv: message size read from the wire, SIZE_MAX until known */
-  size_t nbytes;       /* bytes moved so far */
-  uint64_t nchunks, next_chunk, chunks_done; /* send side */
+  uint64_t nchunks, chunks_done; /* chunks of the message, and those sent / read in full */
+  uint64_t next_chunk; /* send: next chunk to hand to a stream */
+  uint64_t *seen;      /* recv: one bit per chunk index claimed; kept when the slot is reused */
+  size_t seen_words;
 } bn_req_t;
 
 struct bn_comm {
@@ -74,104 +79,7 @@ typedef struct {
 } bn_worker_arg_t;
 
 /* ---------------------------------------------------------------- global state -------- */
-static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
-static bn_dev_t g_devs[BN_MAX_DEVS];
-static int g_ndevs = 0;
-static int g_nstreams = BN_DEFAULT_NSTREAMS;
-static size_t g_min_chunk = BN_DEFAULT_MIN_CHUNK;
 static int g_mr_token; /* regMr hands out its address: host memory needs no registration */
-
-static bn_result_t parse_env_u64(const char *name, uint64_t lo, uint64_t hi, int suffixes,
-                                 uint64_t *out) {
-  const char *s = getenv(name);
-  if (s == NULL || *s == '\0') return BN_OK;
-  char *end = NULL;
-  errno = 0;
-  unsigned long long v = strtoull(s, &end, 10);
-  uint64_t mult = 1;
-  if (suffixes && end != NULL && *end != '\0' && end[1] == '\0') {
-    if (*end == 'K' || *end == 'k') mult = 1ull << 10;
-    else if (*end == 'M' || *end == 'm') mult = 1ull << 20;
-    else if (*end == 'G' || *end == 'g') mult = 1ull << 30;
-    if (mult != 1) end++;
-  }
-  if (errno != 0 || end == s || *end != '\0' || *s == '-' || v > hi / mult || v * mult < lo) {
-    bn_log(BN_LOG_WARN, BN_SUBSYS_NET | BN_SUBSYS_ENV, __FILE__, __LINE__,
-           "NET/BaguaNet: %s=%s is invalid: expected an integer%s from %llu to %llu", name, s,
-           suffixes ? " (optional K/M/G suffix)" : "", (unsigned long long)lo,
-           (unsigned long long)hi);
-    return BN_INVALID_ARGUMENT;
-  }
-  *out = v * mult;
-  return BN_OK;
-}
-
-bn_result_t bn_init(bn_logger_t log) {
-  bn_set_logger(log);
-  uint64_t nstreams = BN_DEFAULT_NSTREAMS, min_chunk = BN_DEFAULT_MIN_CHUNK;
-  if (parse_env_u64("BAGUA_NET_NSTREAMS", 1, BN_MAX_STREAMS, 0, &nstreams) != BN_OK ||
-      parse_env_u64("BAGUA_NET_MIN_CHUNKSIZE", BN_MIN_CHUNK_FLOOR, BN_MAX_NET_SIZE, 1,
-                    &min_chunk) != BN_OK) {
-    return BN_INVALID_ARGUMENT;
-  }
-  pthread_mutex_lock(&g_mu);
-  g_nstreams = (int)nstreams;
-  g_min_chunk = (size_t)min_chunk;
-  /* Devices are found once: comms keep their device index for their lifetime. */
-  if (g_ndevs == 0) g_ndevs = bn_find_devices(g_devs, BN_MAX_DEVS);
-  int ndevs = g_ndevs;
-  pthread_mutex_unlock(&g_mu);
-  if (ndevs == 0) {
-    const char *spec = getenv("NCCL_SOCKET_IFNAME");
-    BN_WARN("NET/BaguaNet: no usable network interface (NCCL_SOCKET_IFNAME=%s)",
-            spec ? spec : "(unset)");
-    return BN_SYSTEM_ERROR;
-  }
-  for (int i = 0; i < ndevs; i++) {
-    char addr[80];
-    bn_format_addr(&g_devs[i].addr.sa, addr, sizeof(addr));
-    BN_INFO("NET/BaguaNet: device %d %s %s, %d streams per connection, chunks >= %zu bytes", i,
-            g_devs[i].name, addr, (int)nstreams, (size_t)min_chunk);
-  }
-  return BN_OK;
-}
-
-bn_result_t bn_devices(int *ndev) {
-  pthread_mutex_lock(&g_mu);
-  *ndev = g_ndevs;
-  pthread_mutex_unlock(&g_mu);
-  return BN_OK;
-}
-
-bn_result_t bn_check_dev(int dev) {
-  if (dev < 0 || dev >= g_ndevs) {
-    BN_WARN("NET/BaguaNet: device %d out of range (%d devices)", dev, g_ndevs);
-    return BN_INVALID_ARGUMENT;
-  }
-  return BN_OK;
-}
-
-bn_result_t bn_get_properties(int dev, bn_props_t *props) {
-  if (bn_check_dev(dev) != BN_OK) return BN_INVALID_ARGUMENT;
-  props->name = g_devs[dev].name;
-  props->pci_path = g_devs[dev].pci_path;
-  props->guid = (uint64_t)dev;
-  props->speed = g_devs[dev].speed_mbps;
-  props->max_comms = 65536;
-  return BN_OK;
-}
-
-void bn_config(int *nstreams, size_t *min_chunk) {
-  pthread_mutex_lock(&g_mu);
-  *nstreams = g_nstreams;
-  *min_chunk = g_min_chunk;
-  pthread_mutex_unlock(&g_mu);
-}
-
-void bn_dev_addr(int dev, bn_addr_t *addr, char *name, size_t name_len) {
-  memcpy(addr, &g_devs[dev].addr, sizeof(*addr));
-  snprintf(name, name_len, "%s", g_devs[dev].name);
-}
 
 const char *bn_comm_peer(const bn_comm_t *c) { return c->peer; }
 int bn_comm_nstreams(const bn_comm_t *c) { return c->nstreams; }
@@ -244,8 +152,18 @@ static const char *io_error(int rc) {
   return rc == -1 ? "connection closed by peer" : strerror(rc);
 }
 
+/* Where chunk i of n of a message of `total` bytes lies (the rule of transport.h). */
+static inline void chunk_range(uint64_t total, uint64_t n, uint64_t i, uint64_t *off,
+                               uint64_t *len) {
+  uint64_t base = total / n, extra = total % n;
+  *off = i * base + (i < extra ? i : extra);
+  *len = base + (i < extra ? 1 : 0);
+}
+
 /* ---------------------------------------------------------------- comms --------------- */
-/* Mark the comm failed (first cause wins) and wake every thread. Caller holds comm->mu. */
+/* Mark the comm failed (first cause wins) and wake every thread. A receiving comm also shuts
+ * its sockets down, so that no stream reads another byte into a posted buffer and the sender
+ * learns of it. Caller holds comm->mu. */
 static void comm_fail(bn_comm_t *c, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 static void comm_fail(bn_comm_t *c, int code, const char *fmt, ...) {
@@ -255,6 +173,9 @@ static void comm_fail(bn_comm_t *c, int code, const char *fmt, ...) {
     vsnprintf(c->errmsg, sizeof(c->errmsg), fmt, ap);
     va_end(ap);
     __atomic_store_n(&c->error, code, __ATOMIC_RELEASE);
+    if (!c->is_send) {
+      for (int i = 0; i < c->nstreams; i++) shutdown(c->fds[i], SHUT_RDWR);
+    }
   }
   pthread_cond_broadcast(&c->cv);
 }
@@ -289,10 +210,9 @@ static void *send_worker(void *p) {
     if (r->next_chunk == r->nchunks) c->head++;
     if (send_work(c) != NULL) pthread_cond_signal(&c->cv); /* more chunks: wake a stream */
     /* Chunk i of n: sizes differ by at most one byte, none below the minimum. */
-    size_t base = r->size / r->nchunks, extra = r->size % r->nchunks;
-    size_t off = i * base + (i < extra ? i : extra);
-    size_t len = base + (i < extra ? 1 : 0);
-    bn_chunk_hdr_t hdr = {BN_MAGIC, r->seq, r->size, off, len};
+    uint64_t off, len;
+    chunk_range(r->size, r->nchunks, i, &off, &len);
+    bn_chunk_hdr_t hdr = {BN_MAGIC, r->seq, r->size, off, (uint32_t)i, (uint32_t)r->nchunks};
     pthread_mutex_unlock(&c->mu);
     int rc = write_all(fd, &hdr, sizeof(hdr), r->data + off, len);
     pthread_mutex_lock(&c->mu);
@@ -301,19 +221,55 @@ static void *send_worker(void *p) {
                 io_error(rc));
       break;
     }
-    r->nbytes += len;
     if (++r->chunks_done == r->nchunks) __atomic_store_n(&r->done, 1, __ATOMIC_RELEASE);
   }
   if (c->closing && c->error == 0) {
     /* Orderly close: tell the receiver this stream ends here, so that its end of stream is not
      * taken for a dead peer. Never blocks; if the peer is not reading, it sees a plain EOF. */
-    bn_chunk_hdr_t end = {BN_MAGIC, c->next_seq, 0, BN_END_OF_STREAM, 0};
+    bn_chunk_hdr_t end = {BN_MAGIC, c->next_seq, 0, BN_END_OF_STREAM, 0, 0};
     pthread_mutex_unlock(&c->mu);
     send(fd, &end, sizeof(end), MSG_NOSIGNAL | MSG_DONTWAIT);
     return NULL;
   }
   pthread_mutex_unlock(&c->mu);
   return NULL;
+}
+
+/* The rule a chunk header breaks on its own, or NULL; its range in *off, *len. */
+static const char *chunk_header_fault(const bn_chunk_hdr_t *h, uint64_t *off, uint64_t *len) {
+  if (h->magic != BN_MAGIC) return "bad magic";
+  if (h->total > BN_MAX_NET_SIZE) return "message size above the plugin's maximum";
+  if (h->nchunks == 0 || h->index >= h->nchunks) return "chunk index out of range";
+  if (h->nchunks > 1 && h->nchunks > h->total / BN_MIN_CHUNK_FLOOR)
+    return "more chunks than the minimum chunk size allows";
+  chunk_range(h->total, h->nchunks, h->index, off, len);
+  if (h->offset != *off) return "offset is not the one its chunk index implies";
+  return NULL;
+}
+
+/* Make r ready for a message of `total` bytes in `nchunks` chunks (its first header); 0, or
+ * -1 with the comm failed. Caller holds c->mu. */
+static int recv_start(bn_comm_t *c, bn_req_t *r, const bn_chunk_hdr_t *h) {
+  if (h->total > r->size) {
+    comm_fail(c, BN_INVALID_USAGE,
+              "message %u from %s has %llu bytes but the posted receive holds %zu", h->seq,
+              c->peer, (unsigned long long)h->total, r->size);
+    return -1;
+  }
+  size_t words = ((size_t)h->nchunks + 63) / 64; /* at most size / 32 KiB words */
+  if (words > r->seen_words) {
+    uint64_t *seen = realloc(r->seen, words * sizeof(*seen));
+    if (seen == NULL) {
+      comm_fail(c, BN_SYSTEM_ERROR, "out of memory for message %u from %s", h->seq, c->peer);
+      return -1;
+    }
+    r->seen = seen;
+    r->seen_words = words;
+  }
+  memset(r->seen, 0, words * sizeof(*r->seen));
+  r->total = h->total;
+  r->nchunks = h->nchunks;
+  return 0;
 }
 
 static void *recv_worker(void *p) {
@@ -337,36 +293,48 @@ static void *recv_worker(void *p) {
         comm_fail(c, BN_REMOTE_ERROR, "%s closed the connection", c->peer);
       break;
     }
-    if (hdr.magic != BN_MAGIC || hdr.offset > hdr.total || hdr.len > hdr.total - hdr.offset) {
-      comm_fail(c, BN_REMOTE_ERROR, "corrupt chunk header from %s on stream %d", c->peer, stream);
+    uint64_t off = 0, len = 0;
+    const char *fault = chunk_header_fault(&hdr, &off, &len);
+    if (fault != NULL) {
+      comm_fail(c, BN_REMOTE_ERROR, "corrupt chunk header from %s on stream %d: %s", c->peer,
+                stream, fault);
       break;
     }
     bn_req_t *r;
-    while (!c->closing && c->error == 0 && (r = find_req(c, hdr.seq)) == NULL)
-      pthread_cond_wait(&c->cv, &c->mu);
-    if (c->closing || c->error != 0) break;
-    if (r->total == SIZE_MAX) {
-      if (hdr.total > r->size) {
-        comm_fail(c, BN_INVALID_USAGE,
-                  "message %u from %s has %llu bytes but the posted receive holds %zu", hdr.seq,
-                  c->peer, (unsigned long long)hdr.total, r->size);
+    while (!c->closing && c->error == 0 && (r = find_req(c, hdr.seq)) == NULL) {
+      if ((int32_t)(hdr.seq - c->next_seq) < 0) { /* posted, completed and handed back */
+        comm_fail(c, BN_REMOTE_ERROR,
+                  "chunk %u of message %u from %s on stream %d arrived after the message was "
+                  "complete", hdr.index, hdr.seq, c->peer, stream);
         break;
       }
-      r->total = hdr.total;
-    } else if (r->total != hdr.total) {
-      comm_fail(c, BN_REMOTE_ERROR, "inconsistent size for message %u from %s", hdr.seq, c->peer);
+      pthread_cond_wait(&c->cv, &c->mu);
+    }
+    if (c->closing || c->error != 0) break;
+    if (r->total == SIZE_MAX) {
+      if (recv_start(c, r, &hdr) != 0) break;
+    } else if (r->total != hdr.total || r->nchunks != hdr.nchunks) {
+      comm_fail(c, BN_REMOTE_ERROR, "inconsistent size for message %u from %s on stream %d",
+                hdr.seq, c->peer, stream);
       break;
     }
+    uint64_t bit = 1ull << (hdr.index % 64), *word = &r->seen[hdr.index / 64];
+    if (*word & bit) { /* a range already written, or being written, by another chunk */
+      comm_fail(c, BN_REMOTE_ERROR, "chunk %u of message %u from %s arrived twice (stream %d)",
+                hdr.index, hdr.seq, c->peer, stream);
+      break;
+    }
+    *word |= bit; /* claimed: no other chunk may write this range, nor complete the message */
+    char *dst = r->data + off;
     pthread_mutex_unlock(&c->mu);
-    rc = hdr.len > 0 ? read_all(fd, r->data + hdr.offset, hdr.len) : 0;
+    rc = len > 0 ? read_all(fd, dst, len) : 0;
     pthread_mutex_lock(&c->mu);
     if (rc != 0) {
       comm_fail(c, BN_REMOTE_ERROR, "receive from %s failed on stream %d: %s", c->peer, stream,
                 io_error(rc));
       break;
     }
-    r->nbytes += hdr.len;
-    if (r->nbytes == r->total) __atomic_store_n(&r->done, 1, __ATOMIC_RELEASE);
+    if (++r->chunks_done == r->nchunks) __atomic_store_n(&r->done, 1, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&c->mu);
   }
   pthread_mutex_unlock(&c->mu);
@@ -397,6 +365,7 @@ static void comm_destroy(bn_comm_t *c) {
   for (int i = 0; i < c->nstreams; i++) {
     if (c->fds[i] >= 0) close(c->fds[i]);
   }
+  for (int i = 0; i < BN_MAX_REQUESTS; i++) free(c->reqs[i].seen);
   pthread_cond_destroy(&c->cv);
   pthread_mutex_destroy(&c->mu);
   free(c);
@@ -485,7 +454,11 @@ static bn_req_t *take_slot(bn_comm_t *c) {
     if (!c->reqs[i].used) r = &c->reqs[i];
   }
   if (r == NULL) return NULL;
+  uint64_t *seen = r->seen;
+  size_t seen_words = r->seen_words;
   memset(r, 0, sizeof(*r));
+  r->seen = seen;
+  r->seen_words = seen_words;
   r->comm = c;
   r->used = 1;
   r->seq = c->next_seq++;
