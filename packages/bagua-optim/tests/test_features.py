@@ -1,8 +1,8 @@
 """Checkpoints, LR schedulers, add_param_group, GradScaler, storage repair, do_flatten=False."""
 
 import copy
-import warnings
 import io
+import warnings
 
 import pytest
 import torch

@@ -195,7 +195,7 @@ def test_fast_mode_that_cannot_be_honoured_is_refused(make, match):
 
 def test_fast_mode_refuses_a_param_group_added_later():
     opt = fuse_optimizer(torch.optim.Adam(_params(), lr=1e-2), mode="fast")
-    with pytest.raises(ValueError, match="mode='fast'.*param group 1.*differentiable"):
+    with pytest.raises(ValueError, match=r"mode='fast'.*param group 1.*differentiable"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))],
                              "differentiable": True})
     assert len(opt.param_groups) == 1
@@ -217,7 +217,7 @@ def test_bad_arguments_name_themselves(kwargs, match):
 def test_refusing_a_second_mode():
     opt = fuse_optimizer(torch.optim.Adam(_params()))
     assert fuse_optimizer(opt) is opt
-    with pytest.raises(ValueError, match="already fused.*mode='exact'"):
+    with pytest.raises(ValueError, match=r"already fused.*mode='exact'"):
         fuse_optimizer(opt, mode="fast")
 
 
