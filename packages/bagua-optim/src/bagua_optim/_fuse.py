@@ -172,6 +172,17 @@ def fuse_optimizer(optimizer: Optimizer, do_flatten: bool = True,
         check_flatten: before each step, check that no parameter's storage was replaced
             behind the optimizer's back (``p.data = ...``, ``module.to()``) and flatten
             again if it was.
+        mode: ``"exact"`` (the default): bit-identical to the unfused optimizer.  torch's
+            ``fused=True`` kernels are fused too: their CPU kernels round the vectorised body
+            and the tail of a tensor differently, so a segment ends at the first parameter
+            whose size is not a multiple of 64 elements, which keeps every element where it
+            is in its own tensor.  ``"fast"`` (opt-in): every segment and every parameter left
+            out of them (large ones) is stepped by torch's fused kernel whatever the
+            optimizer's own ``foreach``/``fused`` setting and whatever the sizes; results are
+            no longer bit-identical to the unfused optimizer, but each step stays within
+            4 float32 epsilons of ``|x| + |dx|`` of a float64 step from the same inputs (for
+            SGD, within torch's own loop's error plus that).  Only for optimizers whose step
+            is torch's Adam, AdamW, SGD or Adagrad; any other is refused with a ValueError.
 
     ``state_dict()`` keeps the unfused layout, so checkpoints move freely between fused and
     unfused optimizers; LR schedulers, ``add_param_group``, ``zero_grad(set_to_none=True)``
