@@ -56,7 +56,7 @@ def _run_step(opt: Optimizer, args: tuple, kwargs: dict):
         for g, fg in zip(groups, fused_groups):
             if fg is not g:     # hyper-parameters a step may have written into its group
                 for k, v in fg.items():
-                    if k != "params" and g.get(k) is not v:
+                    if k != "params" and k not in fuser.override and g.get(k) is not v:
                         g[k] = v
     for seg in segs:
         seg.sync()
@@ -80,7 +80,12 @@ def _fused_class(cls: type) -> type:
 
     def add_param_group(self, param_group: dict) -> None:
         cls.add_param_group(self, param_group)
-        self._bagua_fuse.sync_layouts(self)
+        try:
+            self._bagua_fuse.sync_layouts(self)
+        except ValueError:      # a group mode="fast" cannot step: not added
+            self.param_groups.pop()
+            self._bagua_fuse.sync_layouts(self)
+            raise
 
     def load_state_dict(self, state_dict: dict) -> None:
         cls.load_state_dict(self, state_dict)
@@ -89,7 +94,8 @@ def _fused_class(cls: type) -> type:
     def __reduce_ex__(self, protocol):
         # pickle/deepcopy: rebuild the unfused optimizer from torch's own state, then fuse it
         fuser = self._bagua_fuse
-        return _restore, (cls, self.__getstate__(), fuser.do_flatten, fuser.check_flatten)
+        return _restore, (cls, self.__getstate__(), fuser.do_flatten, fuser.check_flatten,
+                          fuser.mode)
 
     add_param_group.__doc__ = cls.add_param_group.__doc__
     load_state_dict.__doc__ = cls.load_state_dict.__doc__
@@ -102,10 +108,11 @@ def _fused_class(cls: type) -> type:
     return new
 
 
-def _restore(cls: type, state: dict, do_flatten: bool, check_flatten: bool) -> Optimizer:
+def _restore(cls: type, state: dict, do_flatten: bool, check_flatten: bool,
+             mode: str = "exact") -> Optimizer:
     opt = cls.__new__(cls)
     opt.__setstate__(state)
-    return fuse_optimizer(opt, do_flatten=do_flatten, check_flatten=check_flatten)
+    return fuse_optimizer(opt, do_flatten=do_flatten, check_flatten=check_flatten, mode=mode)
 
 
 def _repoint_lr_scheduler_wrapper(opt: Optimizer) -> None:
@@ -128,8 +135,24 @@ def _repoint_lr_scheduler_wrapper(opt: Optimizer) -> None:
     opt.step = wrapper
 
 
+MODES = ("exact", "fast")
+
+
+def _check_fast_class(optimizer: Optimizer, step) -> None:
+    name = type(optimizer).__name__
+    if not all("fused" in g for g in optimizer.param_groups):
+        raise ValueError(
+            f"fuse_optimizer(mode='fast') cannot be honoured for {name}: it steps with torch's "
+            "fused kernel, which only optimizers with a 'fused' option have (torch's Adam, "
+            "AdamW, SGD, Adagrad); use mode='exact'")
+    if not getattr(step, "__module__", "").startswith("torch.optim"):
+        raise ValueError(
+            f"fuse_optimizer(mode='fast') cannot be honoured for {name}: its step is not "
+            "torch's own, so torch's fused kernel cannot stand in for it; use mode='exact'")
+
+
 def fuse_optimizer(optimizer: Optimizer, do_flatten: bool = True,
-                   check_flatten: bool = True) -> Optimizer:
+                   check_flatten: bool = True, *, mode: str = "exact") -> Optimizer:
     """Make ``optimizer.step()`` update contiguous runs of parameters at once.
 
     Parameters of one param group, dtype and device are copied into one flat buffer
@@ -149,6 +172,17 @@ def fuse_optimizer(optimizer: Optimizer, do_flatten: bool = True,
         check_flatten: before each step, check that no parameter's storage was replaced
             behind the optimizer's back (``p.data = ...``, ``module.to()``) and flatten
             again if it was.
+        mode: ``"exact"`` (the default): bit-identical to the unfused optimizer.  torch's
+            ``fused=True`` kernels are fused too: their CPU kernels round the vectorised body
+            and the tail of a tensor differently, so a segment ends at the first parameter
+            whose size is not a multiple of 64 elements, which keeps every element where it
+            is in its own tensor.  ``"fast"`` (opt-in): every segment and every parameter left
+            out of them (large ones) is stepped by torch's fused kernel whatever the
+            optimizer's own ``foreach``/``fused`` setting and whatever the sizes; results are
+            no longer bit-identical to the unfused optimizer, but each step stays within
+            4 float32 epsilons of ``|x| + |dx|`` of a float64 step from the same inputs (for
+            SGD, within torch's own loop's error plus that).  Only for optimizers whose step
+            is torch's Adam, AdamW, SGD or Adagrad; any other is refused with a ValueError.
 
     ``state_dict()`` keeps the unfused layout, so checkpoints move freely between fused and
     unfused optimizers; LR schedulers, ``add_param_group``, ``zero_grad(set_to_none=True)``
@@ -163,15 +197,26 @@ def fuse_optimizer(optimizer: Optimizer, do_flatten: bool = True,
     """
     if not isinstance(optimizer, Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}")
-    if not isinstance(do_flatten, bool) or not isinstance(check_flatten, bool):
-        raise ValueError("do_flatten and check_flatten must be bools")
+    for name, v in (("do_flatten", do_flatten), ("check_flatten", check_flatten)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be a bool, got {v!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if is_fused_optimizer(optimizer):
         fuser = optimizer._bagua_fuse
-        if (fuser.do_flatten, fuser.check_flatten) != (do_flatten, check_flatten):
-            raise ValueError("optimizer is already fused with other do_flatten/check_flatten")
+        if (fuser.do_flatten, fuser.check_flatten, fuser.mode) != (
+                do_flatten, check_flatten, mode):
+            raise ValueError("optimizer is already fused with other do_flatten/check_flatten/"
+                             f"mode (do_flatten={fuser.do_flatten}, "
+                             f"check_flatten={fuser.check_flatten}, mode={fuser.mode!r})")
         return optimizer
     cls = type(optimizer)
-    optimizer._bagua_fuse = Fuser(_inner_step(cls), do_flatten, check_flatten)
+    fuser = Fuser(_inner_step(cls), do_flatten, check_flatten, mode)
+    if mode == "fast":      # refuse before anything is changed
+        _check_fast_class(optimizer, fuser.inner_step)
+        for i in range(len(optimizer.param_groups)):
+            fuser.check_fast(optimizer, i)
+    optimizer._bagua_fuse = fuser
     optimizer.__class__ = _fused_class(cls)
     _repoint_lr_scheduler_wrapper(optimizer)
     optimizer._bagua_fuse.sync_layouts(optimizer)

@@ -11,20 +11,21 @@ from itertools import repeat
 import torch
 
 from . import _layout
-from ._probe import probe
+from ._probe import FUSED_KERNEL, check_fused_kernel, classify
 from ._segments import Segment, build_segments
 
 
 class GroupLayout:
     """How one param group is laid out: fused runs, and parameters stepped one by one."""
 
-    __slots__ = ("loose", "n", "params", "runs")
+    __slots__ = ("aligns", "loose", "n", "params", "runs")
 
-    def __init__(self, params: list, runs: list[_layout.Run], loose: list):
+    def __init__(self, params: list, runs: list[_layout.Run], loose: list, aligns: list):
         self.params = params            # the group's own list object: replaced => lay out again
         self.n = len(params)
         self.runs = runs
         self.loose = loose
+        self.aligns = aligns            # per run: the size multiple its segments need, or None
 
     def current(self, group: dict) -> bool:
         return group["params"] is self.params and len(self.params) == self.n
@@ -33,12 +34,16 @@ class GroupLayout:
 class Fuser:
     """State that ``fuse_optimizer`` attaches to an optimizer (as ``_bagua_fuse``)."""
 
-    def __init__(self, inner_step: Callable, do_flatten: bool, check_flatten: bool):
+    def __init__(self, inner_step: Callable, do_flatten: bool, check_flatten: bool,
+                 mode: str = "exact"):
         self.inner_step = inner_step
         self.do_flatten = do_flatten
         self.check_flatten = check_flatten
+        self.mode = mode
+        # hyper-parameters the step is handed in place of the group's own (mode="fast")
+        self.override = FUSED_KERNEL if mode == "fast" else {}
         self.layouts: list[GroupLayout] = []
-        self.verdicts: dict[tuple, str | None] = {}
+        self.verdicts: dict[tuple, tuple[str | None, int | None]] = {}
         self.warned = False
         # state key -> TENSOR or SCALAR, learned from probes and stand-ins (_segments.py)
         self.kinds: dict = {}
@@ -59,14 +64,23 @@ class Fuser:
             else:
                 self.layouts.append(lay)
 
+    def check_fast(self, opt, index: int) -> None:
+        """mode="fast": raise ValueError unless torch's fused kernel can step this group."""
+        group = opt.param_groups[index]
+        for dtype, device in _layout.split_by_key(group["params"]):
+            self._verdict(opt, index, group, dtype, device)
+
     def _layout_group(self, opt, index: int) -> GroupLayout:
         group = opt.param_groups[index]
         params = group["params"]
+        if self.override:
+            self.check_fast(opt, index)
         loose = [p for p in params if not _layout.fusable(p)]
         runs: list[_layout.Run] = []
+        aligns: list = []
         for (dtype, device), ps in _layout.split_by_key(
                 p for p in params if _layout.fusable(p)).items():
-            why = self._verdict(opt, index, group, dtype, device)
+            why, align = self._verdict(opt, index, group, dtype, device)
             if why is not None:
                 loose += ps
                 continue
@@ -78,10 +92,18 @@ class Fuser:
                 runs.append(_layout.flatten(small))
             else:
                 loose += small
-        return GroupLayout(params, runs, loose)
+            aligns += [align] * (len(runs) - len(aligns))
+        return GroupLayout(params, runs, loose, aligns)
 
-    def _verdict(self, opt, index, group, dtype, device) -> str | None:
+    def _verdict(self, opt, index, group, dtype, device) -> tuple[str | None, int | None]:
         key = (id(group), dtype, device)
+        if key not in self.verdicts and self.mode == "fast":
+            why = check_fused_kernel(opt, group, dtype, device, self.inner_step, self.kinds)
+            if why is not None:
+                raise ValueError(
+                    f"fuse_optimizer(mode='fast') cannot be honoured for {type(opt).__name__} "
+                    f"param group {index} ({dtype}, {device}): {why}")
+            self.verdicts[key] = (None, None)
         if key not in self.verdicts:
             # The probe calls the optimizer's step with other params; should that step ignore
             # param_groups, it must not touch the real parameters: hide their gradients.
@@ -91,11 +113,12 @@ class Fuser:
                 for p, _ in hidden:
                     p.grad = None
                 try:
-                    why = probe(opt, group, dtype, device, self.inner_step, self.kinds)
+                    why, align = classify(opt, group, dtype, device, self.inner_step,
+                                          self.kinds)
                 finally:
                     for p, g in hidden:
                         p.grad = g
-            self.verdicts[key] = why
+            self.verdicts[key] = (why, align)
             if why is not None and not self.warned:
                 self.warned = True
                 warnings.warn(
@@ -114,7 +137,7 @@ class Fuser:
     def fuses_anything(self, opt) -> bool:
         if len(self.layouts) != len(opt.param_groups):
             self.sync_layouts(opt)
-        return any(lay.runs for lay in self.layouts)
+        return bool(self.override) or any(lay.runs for lay in self.layouts)
 
     # -- one step -------------------------------------------------------------------------
     def prepare(self, opt) -> tuple[list[dict], list[Segment]]:
@@ -125,11 +148,12 @@ class Fuser:
             self.sync_layouts(opt)
         fused_groups, segs = [], []
         for i, (group, lay) in enumerate(zip(groups, self.layouts)):
-            if not lay.runs:
+            if not lay.runs and not self.override:
                 fused_groups.append(group)
                 continue
-            params = self._group_params(opt, i, segs)
+            params = self._group_params(opt, i, segs) if lay.runs else group["params"]
             fg = dict(group)
+            fg.update(self.override)
             fg["params"] = params
             fused_groups.append(fg)
         return fused_groups, segs
@@ -141,7 +165,7 @@ class Fuser:
             # bucket): lay the group out again, adopting what now lies back to back.
             lay = self.layouts[index] = self._layout_group(opt, index)
         params = list(lay.loose)
-        for run in lay.runs:
+        for run, align in zip(lay.runs, lay.aligns):
             if not run.grads_in_place():
                 before = list(map(operator.is_, run.grad_views, repeat(None)))
                 if not run.adopt_grads():
@@ -151,7 +175,7 @@ class Fuser:
                 if before != list(map(operator.is_, run.grad_views, repeat(None))):
                     run.segments = None
             if run.segments is None:
-                run.segments = build_segments(run, opt.state, self.kinds)
+                run.segments = build_segments(run, opt.state, self.kinds, align)
             run_segs, single = run.segments
             segs += run_segs
             params += [s.standin for s in run_segs]

@@ -7,6 +7,15 @@ bit-identical parameters and state for several steps, the state is parameter-sha
 and the step changed the parameters at all.  That catches optimizers that read a parameter's
 shape or dimension, reduce over a parameter (norms, trust ratios), factor their state, draw
 random numbers, or ignore ``param_groups``.
+
+Some kernels round an element differently depending on where it lies in its tensor: torch's CPU
+``fused=True`` kernels run a vectorised body and a scalar tail (the last ``numel % width``
+elements) with different rounding.  Those fail the probe above, and get a second one
+(:func:`classify`): parameters whose sizes are multiples of :data:`ALIGN` elements, with one
+size that is not at the end.  Laid back to back, such parameters keep every element in the
+same part (body or tail) of the kernel as when stepped one by one, so a flat stand-in over
+them is exact if the second probe agrees bit for bit; the segments then end at the first
+member whose size is not a multiple of :data:`ALIGN` (see ``_segments.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +30,12 @@ from ._segments import SCALAR, TENSOR
 
 _SHAPES = ((3, 5), (7,), (2, 3, 2), (1,))
 _STEPS = 3
+
+# Sizes (in elements) that are multiples of this keep each element's place in a vectorised
+# kernel's body or tail when laid back to back: a multiple of every SIMD width (up to 512-bit
+# vectors of 8-bit types) and of the cache-line chunks torch's CPU kernels split work into.
+ALIGN = 64
+_ALIGNED_SHAPES = ((2, ALIGN), (ALIGN,), (4, ALIGN // 2), (5, 15))   # the last one: unaligned
 
 
 def _known_not_elementwise() -> tuple[type, ...]:
@@ -68,8 +83,50 @@ def _eager_state(optimizer: torch.optim.Optimizer, group: dict, params: list) ->
     return {p: dict(fresh.state[p]) for p in params if fresh.state.get(p)}
 
 
+def classify(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
+             device: torch.device, step: Callable,
+             kinds: dict | None = None) -> tuple[str | None, int | None]:
+    """``(why, align)``: why ``group`` cannot be fused exactly (None if it can), and the size
+    multiple its fused members need (None: any layout; :data:`ALIGN`: see the module doc)."""
+    why = probe(optimizer, group, dtype, device, step, kinds)
+    if why is None or isinstance(optimizer, _known_not_elementwise()):
+        return why, None
+    if probe(optimizer, group, dtype, device, step, kinds, _ALIGNED_SHAPES) is None:
+        return None, ALIGN
+    return why, None
+
+
+def check_fused_kernel(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
+                       device: torch.device, step: Callable, kinds: dict) -> str | None:
+    """Why ``group`` cannot be stepped by torch's fused kernel (``mode="fast"``); None if it can.
+
+    One step on a flat probe parameter with ``fused=True``, which also teaches ``kinds``.
+    """
+    gen = torch.Generator().manual_seed(0x6A6)
+    flat = torch.nn.Parameter(torch.randn(35, generator=gen).to(dtype=dtype, device=device))
+    flat.grad = torch.randn(35, generator=gen).to(dtype=dtype, device=device)
+    twin = object.__new__(type(optimizer))
+    twin.__dict__.update(optimizer.__dict__)
+    twin.param_groups = [{**group, "params": [flat], **FUSED_KERNEL}]
+    twin.state = defaultdict(dict)
+    twin.state.update(_eager_state(optimizer, group, [flat]))
+    try:
+        step(twin)
+    except Exception as err:
+        return f"its step with fused=True failed ({type(err).__name__}: {err})"
+    for key, v in twin.state[flat].items():
+        if isinstance(v, torch.Tensor):
+            kinds[key] = TENSOR if v.dim() > 0 else SCALAR
+    return None
+
+
+# what mode="fast" sets in the param groups it hands the optimizer's step
+FUSED_KERNEL = {"fused": True, "foreach": False}
+
+
 def probe(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
-          device: torch.device, step: Callable, kinds: dict | None = None) -> str | None:
+          device: torch.device, step: Callable, kinds: dict | None = None,
+          shapes: tuple = _SHAPES) -> str | None:
     """Why ``group``'s update is not elementwise for ``dtype``/``device``; None if it is.
 
     When it is, ``kinds`` (if given) learns which state keys are parameter-shaped (``TENSOR``)
@@ -78,7 +135,6 @@ def probe(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
     if isinstance(optimizer, _known_not_elementwise()):
         return f"{type(optimizer).__name__} is not elementwise"
     gen = torch.Generator().manual_seed(0x6A6)
-    shapes = _SHAPES
     init = [torch.randn(s, generator=gen).to(dtype=dtype, device=device) for s in shapes]
     grads = [[torch.randn(s, generator=gen).to(dtype=dtype, device=device) for s in shapes]
              for _ in range(_STEPS)]

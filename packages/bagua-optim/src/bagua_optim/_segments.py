@@ -173,11 +173,14 @@ class Segment:
                 self._other(key, v)
 
 
-def build_segments(run: Run, opt_state,
-                   kinds: dict) -> tuple[list[Segment], list[torch.Tensor]]:
+def build_segments(run: Run, opt_state, kinds: dict,
+                   align: int | None = None) -> tuple[list[Segment], list[torch.Tensor]]:
     """Split ``run`` into segments; returns them and the members to step one by one.
 
-    ``kinds`` maps state keys to ``TENSOR`` or ``SCALAR`` (see the module docstring).
+    ``kinds`` maps state keys to ``TENSOR`` or ``SCALAR`` (see the module docstring).  With
+    ``align``, a segment ends after its first member whose size is not a multiple of ``align``:
+    for kernels whose rounding depends on an element's place in the body or the tail of a
+    tensor, every element then lies where it lies in its own parameter (``_probe.py``).
     """
     segments: list[Segment] = []
     single: list[torch.Tensor] = []
@@ -207,5 +210,7 @@ def build_segments(run: Run, opt_state,
         if lo is None:
             lo, lo_sig, size = i, sig, 0
         size += n
+        if align and n % align:
+            close(i + 1)
     close(len(run.params))
     return segments, single
