@@ -89,3 +89,43 @@ def test_forgotten_abort_does_not_keep_processes_alive(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def _closure_raises_inside_step():
+    """A closure that raises inside optimizer.step() (as Lightning's training_step does when it
+    raises under automatic optimization) must not leave the step lock held."""
+    rank = bc.get_rank()
+    model = make_model(seed=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model = with_bagua(model, [opt], AsyncModelAverage(sync_interval_ms=5))
+    impl = model.impl
+    _train(model, opt, range(2))
+    _wait_for(lambda: impl.rounds >= 1, "averaging rounds")
+
+    def closure():
+        opt.zero_grad()
+        loss = loss_fn(model, *batch(7, rank))
+        loss.backward()
+        raise ValueError("user code failed inside the closure")
+
+    try:
+        opt.step(closure)
+    except ValueError:
+        pass
+    # Training goes on after the user caught it, and the thread keeps averaging.
+    before = impl.rounds
+    _train(model, opt, range(2, 4))
+    _wait_for(lambda: impl.rounds >= before + 2, "averaging rounds after the failed step",
+              limit=20)
+    try:                                  # and again, then abort() straight away
+        opt.step(closure)
+    except ValueError:
+        pass
+    start = time.monotonic()
+    model.abort()
+    return time.monotonic() - start
+
+
+def test_a_step_whose_closure_raised_neither_stops_averaging_nor_blocks_abort():
+    for took in run_ranks(_closure_raises_inside_step, 2, timeout=150):
+        assert took < 10.0, f"abort() took {took:.1f}s"

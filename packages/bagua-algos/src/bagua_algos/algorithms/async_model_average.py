@@ -61,6 +61,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self.error: BaseException | None = None
         self._opt_hooks = []
         self._atexit_registered = False
+        self._step_holds = 0            # acquisitions of `lock` by optimizer steps not released
 
     def init_operations(self, ctx, buckets):
         self.buckets = buckets
@@ -75,6 +76,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         """Stop the averaging thread (every rank does, at the same round), carry the
         averages not yet applied, keyed by parameter."""
         running = self.thread is not None and not self.stopped
+        self._release_step_holds()
         if self.thread is not None:
             self.abort_event.set()
             self.thread.join()
@@ -94,9 +96,19 @@ class AsyncModelAverageImpl(AlgorithmImpl):
 
     def _lock_step(self, *_):
         self.lock.acquire()
+        self._step_holds += 1
 
     def _unlock_step(self, *_):
-        self.lock.release()
+        # torch runs step post-hooks only when the step returns: a step (or its closure) that
+        # raised left its hold, which would block the averaging thread for good.  The end of
+        # any step therefore lets go of every hold the training thread still has.
+        self._release_step_holds()
+
+    def _release_step_holds(self):
+        """Release the holds of optimizer steps (training thread only: the RLock's owner)."""
+        while self._step_holds:
+            self._step_holds -= 1
+            self.lock.release()
 
     # -- training thread ------------------------------------------------------------------------
     def forward_pre_hook(self, ctx):
@@ -138,6 +150,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
     def abort(self, module):
         """Stop averaging on every rank (at their next round) and wait for this rank's
         thread; then apply the last average."""
+        self._release_step_holds()       # a step that raised must not block the thread's exit
         self.abort_event.set()
         if self.thread is not None:
             self.thread.join()
@@ -152,6 +165,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         thread too), so each rank first stops and joins whatever thread it still has, then
         starts a fresh one: all ranks restart together, whether this rank's thread was
         stopped by its own ``abort()``, by a peer's, or never."""
+        self._release_step_holds()
         self.abort_event.set()
         if self.thread is not None:
             self.thread.join()
@@ -194,6 +208,8 @@ class AsyncModelAverageImpl(AlgorithmImpl):
     def _stop_at_exit(self):
         thread = self.thread
         if thread is not None and thread.is_alive():
+            if threading.current_thread() is threading.main_thread():
+                self._release_step_holds()
             self.abort_event.set()
             thread.join(timeout=self.interval + 10.0)
 
@@ -202,6 +218,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
                 "background thread starts afresh over the new ranks")
 
     def shutdown(self):
+        self._release_step_holds()
         if self.thread is not None:
             self.abort_event.set()
             self.thread.join()
