@@ -4,6 +4,7 @@
 import subprocess
 import sys
 import time
+
 import pytest
 import torch
 
