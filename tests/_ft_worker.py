@@ -97,6 +97,8 @@ def main():
         wait_for(os.path.join(args.sync_dir, f"go-{args.tag}"))
     heals = generation = 0
     while ft.committed_steps < args.steps:
+        if args.sync_dir and os.path.exists(os.path.join(args.sync_dir, "stop")):
+            break
         if ft.committed_steps == args.hold_at:
             wait_for(os.path.join(args.sync_dir, "release"))
             args.hold_at = -1
