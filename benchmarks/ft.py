@@ -22,6 +22,7 @@ parameters, optimizer and algorithm state, LR scheduler, sampler position), and 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -84,7 +85,7 @@ def scenario(system: str, lighthouse: str, out: Path, args) -> dict:
                f"host{host}", "--tag", tag, "--sync-dir", str(out), "--log", str(out / f"{tag}.log"),
                "--dump", str(out / tag), "--steps", "100000", "--step-sleep", str(args.step_sleep),
                "--batch", "8", *extra]
-        return subprocess.Popen(cmd, env=_env(), stdout=open(out / f"{tag}.out", "w"),  # noqa: SIM115
+        return subprocess.Popen(cmd, env=_env(), stdout=open(out / f"{tag}.out", "w"),
                                 stderr=subprocess.STDOUT)
 
     procs = {f"h{i}": spawn(f"h{i}", i) for i in range(HOSTS)}
@@ -157,7 +158,7 @@ def plot(result: dict, path: Path) -> None:
                 continue
             t = [p[0] for p in pts]
             axes[0][col].plot(t, [p[1] for p in pts], ".", ms=2, label=tag)
-            rate = [0.0] + [1.0 / max(b - a, 1e-3) for a, b in zip(t, t[1:])]
+            rate = [0.0] + [1.0 / max(b - a, 1e-3) for a, b in itertools.pairwise(t)]
             axes[1][col].plot(t, rate, lw=0.7, label=tag)
         for ax in axes[:, col]:
             ax.axvline(res["events_s"]["kill"], color="r", ls="--", lw=0.8)
