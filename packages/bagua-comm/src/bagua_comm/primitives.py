@@ -9,7 +9,9 @@ otherwise it returns once the result is in place.
 
 from __future__ import annotations
 
-import torch.distributed as dist
+import pickle
+
+import torch
 
 from . import _validate as V
 from . import traffic
@@ -61,9 +63,18 @@ def broadcast_object(obj, src=0, *, group=None, async_op=False):
     """Rank ``src``'s picklable ``obj``, returned on every rank (always synchronous)."""
     g = V.group(group)
     src = V.rank("src", src, g)
-    box = [obj if g.rank == src else None]
-    dist.broadcast_object_list(box, src=g.global_rank(src), group=g.torch_group)
-    return box[0]
+    if g.size == 1:
+        return obj
+    # Through the group's own gloo backend (not torch's broadcast_object_list, which needs a
+    # group registered in torch's world: a reconfigured torchft group is not).
+    payload = (torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+               if g.rank == src else None)
+    size = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
+    g._gloo.broadcast(size, src, False)
+    if payload is None:
+        payload = torch.empty(int(size[0]), dtype=torch.uint8)
+    g._gloo.broadcast(payload, src, False)
+    return obj if g.rank == src else pickle.loads(payload.numpy().tobytes())
 
 
 # -- reduce --------------------------------------------------------------------------------

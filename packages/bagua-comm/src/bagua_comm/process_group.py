@@ -31,7 +31,10 @@ class ProcessGroup:
     """
 
     def __init__(self, ranks: list[int], torch_group, backend: str, local_world_size: int,
-                 aux_torch_group=None):
+                 aux_torch_group=None, *, global_rank: int | None = None):
+        """``global_rank``: this process's place in ``ranks`` numbering when ``torch_group``
+        is not a group of torch's default world (a group reconfigured outside it, such as
+        torchft's, see ``bagua_algos.ft``); by default ``torch.distributed.get_rank()``."""
         from ._backends.gloo import GlooBackend
 
         self.ranks = list(ranks)
@@ -42,7 +45,7 @@ class ProcessGroup:
         self.aux_torch_group = aux_torch_group if aux_torch_group is not None else torch_group
         self.backend = backend
         self._local_world_size = local_world_size
-        self._global_rank = dist.get_rank()
+        self._global_rank = dist.get_rank() if global_rank is None else int(global_rank)
         #: This process's rank inside the group, or -1 if it is not a member.
         self.rank = self.ranks.index(self._global_rank) if self._global_rank in self.ranks else -1
         self._intra = None

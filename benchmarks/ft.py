@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""Restart-free fault tolerance: lose a host, keep training, take it back (bagua_algos.ft).
+
+Three hosts (processes on loopback, one replica each; a torchft Lighthouse in this process)
+train with ByteGrad (error feedback) under ``bagua_algos.ft.FaultTolerant``.  Once every host
+has committed ``--kill-after`` steps, host 2 is killed with SIGKILL; the survivors go on at 2.
+Host 2 is started again, heals from a survivor at a step boundary and all go on at 3.  The
+same story then runs with torchft's own DDP (``torchft.DistributedDataParallel`` +
+``Manager`` + ``OptimizerWrapper``, torchft's default 5 s heartbeat timeout) as the peer.
+
+Reported (``--json PATH``, and a plot ``ft.png`` beside it): ``stall_s`` (kill to the
+survivors' next committed step, slowest survivor), ``steps_lost`` (step attempts the
+survivors did not commit), ``heal_s`` (the returning host's quorum + state transfer +
+rebuild), ``replicas_identical`` (every replica's full state bit for bit at the heal step:
+parameters, optimizer and algorithm state, LR scheduler, sampler position), and the same under
+``peer``.  ``--heartbeat-ms`` is the Lighthouse's heartbeat timeout for bagua's run (default
+1000 ms, replicas beat every 100 ms).  Exits 1 if a target is missed.
+
+    python benchmarks/ft.py --quick --json out/ft/result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+OURS = ROOT / "tests" / "_ft_worker.py"
+PEER = ROOT / "benchmarks" / "_ft_ddp_worker.py"
+HOSTS, LOST = 3, 2
+
+
+def _env():
+    env = dict(os.environ, RUST_LOG="error")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), *sys.path])
+    return env
+
+
+def _log(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait(pred, limit, what):
+    end = time.time() + limit
+    while not pred():
+        if time.time() > end:
+            raise TimeoutError(f"{what} did not happen within {limit} s")
+        time.sleep(0.02)
+
+
+def _flat(obj, prefix=""):
+    if isinstance(obj, dict):
+        return {k2: v2 for k, v in obj.items() for k2, v2 in _flat(v, f"{prefix}/{k}").items()}
+    if isinstance(obj, (list, tuple)):
+        return {k2: v2 for i, v in enumerate(obj) for k2, v2 in _flat(v, f"{prefix}/{i}").items()}
+    return {prefix: obj}
+
+
+def _same(a, b) -> bool:
+    fa = {k: v for k, v in _flat(a).items() if "/rank" not in k}
+    fb = {k: v for k, v in _flat(b).items() if "/rank" not in k}
+    if fa.keys() != fb.keys():
+        return False
+    return all(torch.equal(x, fb[k]) if isinstance(x, torch.Tensor) else x == fb[k]
+               for k, x in fa.items())
+
+
+def scenario(system: str, lighthouse: str, out: Path, args) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    worker = OURS if system == "bagua" else PEER
+    extra = (["--algo", "bytegrad", "--samples", "4096"] if system == "bagua" else [])
+
+    def spawn(tag, host):
+        (out / tag).mkdir(exist_ok=True)
+        cmd = [sys.executable, str(worker), "--lighthouse", lighthouse, "--replica-id",
+               f"host{host}", "--tag", tag, "--sync-dir", str(out), "--log", str(out / f"{tag}.log"),
+               "--dump", str(out / tag), "--steps", "100000", "--step-sleep", str(args.step_sleep),
+               "--batch", "8", *extra]
+        return subprocess.Popen(cmd, env=_env(), stdout=open(out / f"{tag}.out", "w"),
+                                stderr=subprocess.STDOUT)
+
+    procs = {f"h{i}": spawn(f"h{i}", i) for i in range(HOSTS)}
+    try:
+        _wait(lambda: all((out / f"ready-h{i}").exists() for i in range(HOSTS)), 180, "start")
+        t_start = time.time()
+        for i in range(HOSTS):
+            (out / f"go-h{i}").touch()
+        committed = lambda tag: sum(r["committed"] for r in _log(out / f"{tag}.log"))  # noqa: E731
+        _wait(lambda: all(committed(f"h{i}") >= args.kill_after for i in range(HOSTS)), 180,
+              "the first steps")
+        t_kill = time.time()
+        procs[f"h{LOST}"].send_signal(signal.SIGKILL)
+        procs[f"h{LOST}"].wait()
+        survivors = [f"h{i}" for i in range(HOSTS) if i != LOST]
+        base = {s: committed(s) for s in survivors}
+        _wait(lambda: all(committed(s) >= base[s] + args.alone for s in survivors), 120,
+              "training at 2")
+        t_back = time.time()
+        procs["back"] = spawn("back", LOST)
+        _wait(lambda: (out / "ready-back").exists(), 180, "the return's start")
+        (out / "go-back").touch()
+        _wait(lambda: committed("back") >= args.after, 120, "training at 3 again")
+        (out / "stop").touch()
+        for p in procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    logs = {t: _log(out / f"{t}.log") for t in [*survivors, "back"]}
+    stall, lost = 0.0, 0
+    for s in survivors:
+        after = [r for r in logs[s] if r["t"] > t_kill]
+        first = next(r for r in after if r["committed"])
+        stall = max(stall, first["t"] - t_kill)
+        lost = max(lost, sum(1 for r in after if not r["committed"] and r["t"] <= first["t"]))
+    heal_s = next((r["heal_s"] for r in logs["back"] if r.get("heal_s") is not None), None)
+    heal_step = logs["back"][0]["step"] - 1
+    dumps = [out / t / f"quorum-{heal_step}-{HOSTS}.pt" for t in [*survivors, "back"]]
+    identical = all(d.exists() for d in dumps)
+    if identical:
+        states = [torch.load(d, weights_only=False) for d in dumps]
+        identical = all(_same(states[0], s) for s in states[1:])
+    series = {t: [(r["t"] - t_start, r["loss"], r["committed"]) for r in log_]
+              for t, log_ in {f"h{i}": _log(out / f"h{i}.log") for i in range(HOSTS)}.items()}
+    series["back"] = [(r["t"] - t_start, r["loss"], r["committed"]) for r in logs["back"]]
+    return {"status": "ok", "stall_s": round(stall, 3), "steps_lost": lost,
+            "heal_s": None if heal_s is None else round(heal_s, 3),
+            "replicas_identical": identical, "heal_step": heal_step,
+            "events_s": {"kill": round(t_kill - t_start, 3), "return": round(t_back - t_start, 3)},
+            "series": series}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 6), sharex="col")
+    for col, (name, res) in enumerate((("bagua_algos.ft (ByteGrad)", result),
+                                       ("torchft DDP", result["peer"]))):
+        for tag, pts in res["series"].items():
+            pts = [p for p in pts if p[2]]
+            if not pts:
+                continue
+            t = [p[0] for p in pts]
+            axes[0][col].plot(t, [p[1] for p in pts], ".", ms=2, label=tag)
+            rate = [0.0] + [1.0 / max(b - a, 1e-3) for a, b in itertools.pairwise(t)]
+            axes[1][col].plot(t, rate, lw=0.7, label=tag)
+        for ax in axes[:, col]:
+            ax.axvline(res["events_s"]["kill"], color="r", ls="--", lw=0.8)
+            ax.axvline(res["events_s"]["return"], color="g", ls="--", lw=0.8)
+        axes[0][col].set_title(f"{name}: stall {res['stall_s']} s, heal {res['heal_s']} s")
+        axes[0][col].set_ylabel("loss")
+        axes[1][col].set_ylabel("committed steps / s")
+        axes[1][col].set_xlabel("wall time (s); red: kill -9 host 2, green: host 2 started")
+        axes[0][col].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps (CI-sized)")
+    ap.add_argument("--json", default="", help="write the result here")
+    ap.add_argument("--out", default="out/ft")
+    ap.add_argument("--heartbeat-ms", type=int, default=1000)
+    ap.add_argument("--step-sleep", type=float, default=0.02)
+    args = ap.parse_args(argv)
+    args.kill_after, args.alone, args.after = (10, 10, 10) if args.quick else (40, 40, 40)
+    from bagua_algos.ft import lighthouse
+
+    out = Path(args.out)
+    load = Path("/proc/loadavg").read_text().split()[0]
+    ours_lh = lighthouse(heartbeat_timeout_ms=args.heartbeat_ms, join_timeout_ms=1000)
+    result = scenario("bagua", ours_lh.address(), out / "bagua", args)
+    ours_lh.shutdown()
+    peer_lh = lighthouse(heartbeat_timeout_ms=5000, join_timeout_ms=1000)   # torchft's default
+    result["peer"] = scenario("torchft_ddp", peer_lh.address(), out / "peer", args)
+    peer_lh.shutdown()
+    result["loadavg"] = [load, Path("/proc/loadavg").read_text().split()[0]]
+    result["heartbeat_timeout_ms"] = {"bagua": args.heartbeat_ms, "peer": 5000}
+    plot(result, out / "ft.png")
+    fails = []
+    if not result["stall_s"] < min(2.0, result["peer"]["stall_s"]):
+        fails.append("stall")
+    if result["steps_lost"] > 1:
+        fails.append("steps_lost")
+    if result["heal_s"] is None or result["heal_s"] >= 2.0:
+        fails.append("heal")
+    if not result["replicas_identical"]:
+        fails.append("identical")
+    result["failures"] = fails
+    result["status"] = "ok" if not fails else "missed: " + ", ".join(fails)
+    brief = {k: v for k, v in result.items() if k != "series"}
+    brief["peer"] = {k: v for k, v in result["peer"].items() if k != "series"}
+    print(json.dumps(brief, indent=1))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result))
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""``FaultTolerant``: with_bagua under torchft's per-step quorum (one process per replica).
+
+Each step starts with a quorum from the torchft Lighthouse (:meth:`FaultTolerant.step`'s
+``__enter__``).  When the quorum's members changed, torchft reconfigures its gloo group and
+this class rebuilds the bagua group and the :class:`~bagua_algos.BaguaModule` on it: the
+survivors go on at the new size.  A replica that joins (restarted or new) gets, before its
+first step, the live state of a healthy peer through torchft's checkpoint transport:
+parameters, optimizer state (which carries the algorithm's state), LR scheduler and the
+sampler's committed position.  A step in which communication failed is not committed by
+anyone who saw the failure (torchft's ``should_commit``), and its samples go back to the
+epoch's pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import bagua_comm as bc
+
+from ..algorithm import Algorithm
+from ..module import _STATE_KEY, BaguaModule, with_bagua
+from ._data import CommittedBatches
+from ._group import bagua_group, reconfigurable_gloo, release
+
+logger = logging.getLogger("bagua_algos.ft")
+_UNSUPPORTED = {"async": "it communicates in a background thread, outside the steps a "
+                         "quorum commits"}
+
+
+def _positive_timedelta(name, value) -> None:
+    if not isinstance(value, timedelta) or value <= timedelta(0):
+        raise ValueError(f"{name} must be a positive datetime.timedelta, got {value!r}")
+
+
+def is_comm_error(err: BaseException) -> bool:
+    """A failure of the group (a peer gone or silent), as opposed to a bug in the step."""
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(
+        s in text for s in ("gloo", "connection", "timed out", "broken pipe", "peer"))
+
+
+def _model_meta(module: torch.nn.Module, algorithm: Algorithm) -> dict:
+    return {"algorithm": algorithm.name,
+            "shapes": {n: tuple(p.shape) for n, p in module.named_parameters()}}
+
+
+@contextlib.contextmanager
+def _quiet(name: str):
+    """with_bagua's warning about an optimizer that already holds state is about checkpoints
+    loaded too early; here the state is the live one, on purpose."""
+    log = logging.getLogger(name)
+    old = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(old)
+
+
+class Step:
+    """One training step (see :meth:`FaultTolerant.step`): ``batch`` (with ``data=``),
+    ``committed`` after the block, ``error`` the communication failure it absorbed."""
+
+    def __init__(self, ft: FaultTolerant):
+        self.ft = ft
+        self.batch = None
+        self.committed = False
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> Step:
+        self.ft._start(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None and not is_comm_error(exc):
+            self.ft._abandon()
+            return False                       # a bug in the step: raise it
+        if exc is not None:
+            self.error = exc
+            self.ft.manager.report_error(exc)
+        self.committed = self.ft._finish()
+        return True
+
+
+class FaultTolerant:
+    """Train ``model`` with ``algorithm`` on a changing set of replicas, restart-free.
+
+    One process per replica group (a host), each running this; a torchft Lighthouse at
+    ``lighthouse`` (``http://host:port``) forms the quorum of each step.  ``scheduler``: an
+    LR scheduler stepped once per committed step.  ``data=(dataset, sampler, batch_size)``
+    with a ``bagua_data.LoadBalancingDistributedSampler``: each step's ``batch`` comes from
+    the committed position, re-dealt over the quorum when it changes.
+
+    Use::
+
+        ft = FaultTolerant(model, optimizer, ByteGrad(), lighthouse=..., replica_id="host1",
+                           scheduler=sched, data=(dataset, sampler, 32))
+        while ft.committed_steps < total:
+            optimizer.zero_grad()
+            with ft.step() as step:
+                x, y = step.batch
+                loss_fn(ft.model(x), y).backward()
+
+    ``timeout`` bounds every collective and the state transfer; ``heartbeat_interval`` is
+    how often this replica tells the Lighthouse it is alive (the Lighthouse's
+    ``heartbeat_timeout_ms`` decides how soon a silent replica is dropped).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 algorithm: Algorithm, *, lighthouse: str, replica_id: str,
+                 min_replicas: int = 1, scheduler=None, data=None,
+                 timeout: timedelta = timedelta(seconds=10),
+                 quorum_timeout: timedelta = timedelta(seconds=60),
+                 connect_timeout: timedelta = timedelta(seconds=10),
+                 heartbeat_interval: timedelta = timedelta(milliseconds=100),
+                 bucket_size: int | None = None, do_flatten: bool = True):
+        if not isinstance(model, torch.nn.Module) or isinstance(model, BaguaModule):
+            raise ValueError("model must be a plain torch.nn.Module (FaultTolerant wraps it "
+                             f"with with_bagua itself), got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got "
+                             f"{type(optimizer).__name__}")
+        if not isinstance(algorithm, Algorithm):
+            raise ValueError(f"algorithm must be a bagua_algos.Algorithm, got "
+                             f"{type(algorithm).__name__}")
+        if algorithm.name in _UNSUPPORTED:
+            raise ValueError(f"algorithm {algorithm.name!r} cannot run under FaultTolerant: "
+                             f"{_UNSUPPORTED[algorithm.name]}")
+        if not isinstance(lighthouse, str) or not lighthouse:
+            raise ValueError(f"lighthouse must be the Lighthouse's address "
+                             f"('http://host:port'), got {lighthouse!r}")
+        if not isinstance(replica_id, str) or not replica_id:
+            raise ValueError(f"replica_id must be a non-empty str, got {replica_id!r}")
+        if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
+            raise ValueError(f"min_replicas must be an int >= 1, got {min_replicas!r}")
+        for name, value in (("timeout", timeout), ("quorum_timeout", quorum_timeout),
+                            ("connect_timeout", connect_timeout),
+                            ("heartbeat_interval", heartbeat_interval)):
+            _positive_timedelta(name, value)
+        if bc.is_initialized() and bc.get_world_size() > 1:
+            raise ValueError("FaultTolerant runs one process per replica group: this process "
+                             f"belongs to a bagua_comm world of {bc.get_world_size()}")
+        if data is not None and not isinstance(data, CommittedBatches):
+            if not isinstance(data, tuple) or len(data) != 3:
+                raise ValueError("data must be (dataset, sampler, batch_size), got "
+                                 f"{type(data).__name__}")
+            data = CommittedBatches(*data)
+        try:
+            from torchft import Manager
+        except ImportError as err:
+            raise RuntimeError("bagua_algos.ft needs torchft: pip install 'bagua-algos[ft]' "
+                               f"({err})") from None
+
+        self._module, self.optimizer, self.algorithm = model, optimizer, algorithm
+        self.scheduler, self.data = scheduler, data
+        self._wrap = {"bucket_size": bucket_size, "do_flatten": do_flatten}
+        self._meta = _model_meta(model, algorithm)
+        self.model: BaguaModule | None = None
+        self._group: bc.ProcessGroup | None = None
+        self._generation = 0
+        self._healed: dict | None = None
+        self._dirty = False
+        self._step0 = 0
+        #: seconds each heal took on this replica (state received and applied)
+        self.heal_times: list[float] = []
+        if not bc.is_initialized():
+            bc.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self._pg = reconfigurable_gloo(timeout)
+        try:
+            self.manager = Manager(
+                pg=self._pg, load_state_dict=lambda state: self._receive(state),
+                state_dict=lambda: self._send(),
+                min_replica_size=min_replicas, use_async_quorum=False, timeout=timeout,
+                quorum_timeout=quorum_timeout, connect_timeout=connect_timeout, rank=0,
+                world_size=1, store_addr="127.0.0.1", store_port=self._store.port,
+                lighthouse_addr=lighthouse, replica_id=replica_id,
+                heartbeat_interval=heartbeat_interval, init_sync=True)
+        except Exception as err:   # torchft's Rust client raises plain Exceptions
+            raise RuntimeError(f"cannot join the torchft Lighthouse at {lighthouse!r} within "
+                               f"connect_timeout={connect_timeout}: {err}") from err
+
+    # -- state transfer (torchft calls these) ---------------------------------------------------
+    def _send(self) -> dict:
+        """The live state a joining replica copies (torchft calls this between steps)."""
+        return self._live_state()
+
+    def _live_state(self) -> dict:
+        return {"meta": self._meta,
+                "model": self._module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),     # with the algorithm's state
+                "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+                "data": None if self.data is None else self.data.state_dict()}
+
+    def _receive(self, state: dict) -> None:
+        meta = state.get("meta")
+        if meta != self._meta:
+            raise ValueError("this replica cannot join: its model or algorithm differs from "
+                             f"the running job's ({self._meta['algorithm']} vs "
+                             f"{(meta or {}).get('algorithm')}; parameter shapes "
+                             f"{'match' if (meta or {}).get('shapes') == self._meta['shapes'] else 'differ'})")
+        self._healed = state
+
+    # -- steps ------------------------------------------------------------------------------
+    @property
+    def committed_steps(self) -> int:
+        """Steps the job has committed (the same on every replica of the quorum)."""
+        return self.manager.current_step()
+
+    @property
+    def world_size(self) -> int:
+        return self._pg.members[1]
+
+    def step(self) -> Step:
+        """A context manager around one step's forward and backward: quorum (and healing)
+        on entry; on exit the optimizer and scheduler step if the quorum commits."""
+        return Step(self)
+
+    def _start(self, step: Step) -> None:
+        if self.model is not None and (self.model._cb_queued or self.model._handles):
+            self._dirty = True       # a step abandoned mid-backward
+        import time
+        t0 = time.perf_counter()
+        self.manager.start_quorum()
+        healed, self._healed = self._healed, None
+        if (healed is not None or self._dirty or self.model is None
+                or self._pg.generation != self._generation):
+            self._rebuild(healed)
+            if healed is not None:
+                self.heal_times.append(time.perf_counter() - t0)
+        self._step0 = self.model.step
+        if self.data is not None:
+            step.batch = self.data.next()
+
+    def _rebuild(self, healed: dict | None) -> None:
+        """Wrap the model anew on the current quorum's group, carrying every piece of state
+        (from the healthy peer when healing)."""
+        rank, size = self._pg.members
+        own = self.model.bagua_state_dict() if self.model is not None else None
+        data_state = self.data.state_dict() if self.data is not None else None
+        if self.model is not None:
+            self.model.detach_algorithm()
+        release(self._group)
+        self._group = None
+        if healed is not None:
+            self._module.load_state_dict(healed["model"])
+            opt_state = dict(healed["optimizer"])
+            own = opt_state.pop(_STATE_KEY, None)
+            self.optimizer.load_state_dict(opt_state)
+            if self.scheduler is not None:
+                self.scheduler.load_state_dict(healed["scheduler"])
+            data_state = healed["data"]
+        self._group = bagua_group(self._pg)
+        with _quiet("bagua_algos"):
+            self.model = with_bagua(self._module, [self.optimizer], self.algorithm,
+                                    group=self._group, **self._wrap)
+        if own is not None:
+            self.model.load_bagua_state_dict(own)
+        if self.data is not None and data_state is not None:
+            self.data.rebind(size, rank, data_state)
+        self._generation = self._pg.generation
+        self._dirty = False
+        logger.info(f"bagua_algos.ft: training at {size} replicas (this one: rank {rank})"
+                    f"{', healed from a peer' if healed is not None else ''}")
+
+    def _finish(self) -> bool:
+        committed = self.manager.should_commit()
+        if committed:
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            if self.data is not None:
+                self.data.commit()
+        else:
+            self._abandon()
+        return committed
+
+    def _abandon(self) -> None:
+        if self.data is not None:
+            self.data.rollback()
+        if self.model is not None:
+            self.model.step = self._step0
+        self._dirty = True
+
+    # -- state, for checks and checkpoints ----------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything a joining replica copies, plus the algorithm's state as its own entry."""
+        state = self._live_state()
+        state["bagua"] = state["optimizer"].get(_STATE_KEY)
+        state["step"] = self.committed_steps
+        return state
+
+    def close(self) -> None:
+        """Leave the job: stop this replica's torchft servers (not collective)."""
+        if self.model is not None:
+            self.model.detach_algorithm()
+        release(self._group)
+        self._group = None
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,135 @@
+"""One replica of the fault-tolerance scenarios (tests/test_ft.py, benchmarks/ft.py).
+
+Writes one JSON line per step to --log and, with --dump, torch.save files of its full state:
+``sent-<step>.pt`` when it serves a joining peer, ``healed-<step>.pt`` right after it healed,
+``end.pt`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+
+import bagua_algos as ba
+from bagua_algos.ft import FaultTolerant
+from bagua_data import LoadBalancingDistributedSampler
+
+ALGOS = {"gradient_allreduce": lambda: ba.GradientAllReduce(),
+         "bytegrad": lambda: ba.ByteGrad(error_feedback=True),
+         "decentralized": lambda: ba.Decentralized(),
+         "low_precision_decentralized": lambda: ba.LowPrecisionDecentralized()}
+
+
+def build(args):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.Tanh(),
+                                torch.nn.Linear(args.hidden, 1))
+    if args.shape_bug:
+        model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden + 1), torch.nn.Tanh(),
+                                    torch.nn.Linear(args.hidden + 1, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(args.samples, 16, generator=g)
+    y = x.sum(dim=1, keepdim=True).sin()
+    data = torch.utils.data.TensorDataset(x, y, torch.arange(args.samples))
+    sampler = LoadBalancingDistributedSampler(data, [float(i % 7) for i in range(args.samples)],
+                                              num_replicas=1, rank=0, seed=3)
+    return model, opt, sched, (data, sampler, args.batch)
+
+
+def wait_for(path, limit=120.0):
+    end = time.time() + limit
+    while not os.path.exists(path):
+        if time.time() > end:
+            raise TimeoutError(f"{path} did not appear within {limit} s")
+        time.sleep(0.01)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--lighthouse", required=True)
+    p.add_argument("--replica-id", required=True)
+    p.add_argument("--algo", default="bytegrad")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--kill-at", type=int, default=-1, help="SIGKILL itself in this step")
+    p.add_argument("--samples", type=int, default=96)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--shape-bug", action="store_true")
+    p.add_argument("--log", required=True)
+    p.add_argument("--dump", default="")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--sync-dir", default="", help="write ready-<tag> there, then wait for go-<tag>")
+    p.add_argument("--tag", default="")
+    p.add_argument("--hold-at", type=int, default=-1,
+                   help="before this step, wait for <sync-dir>/release")
+    args = p.parse_args()
+    from datetime import timedelta
+    model, opt, sched, data = build(args)
+    ft = FaultTolerant(model, opt, ALGOS[args.algo](), lighthouse=args.lighthouse,
+                       replica_id=args.replica_id, scheduler=sched, data=data,
+                       timeout=timedelta(seconds=args.timeout))
+    if args.dump:
+        send = ft._send
+
+        def recording_send():
+            state = send()
+            torch.save(state, os.path.join(
+                args.dump, f"sent-{ft.committed_steps}.pt"))
+            return state
+        ft._send = recording_send
+        receive = ft._receive
+
+        def recording_receive(state):
+            torch.save(state, os.path.join(args.dump, "received.pt"))
+            receive(state)
+        ft._receive = recording_receive
+    log = open(args.log, "a", buffering=1)  # noqa: SIM115 (lines must reach the file as written)
+    if args.sync_dir:
+        open(os.path.join(args.sync_dir, f"ready-{args.tag}"), "w").close()
+        wait_for(os.path.join(args.sync_dir, f"go-{args.tag}"))
+    heals = generation = 0
+    while ft.committed_steps < args.steps:
+        if args.sync_dir and os.path.exists(os.path.join(args.sync_dir, "stop")):
+            break
+        if ft.committed_steps == args.hold_at:
+            wait_for(os.path.join(args.sync_dir, "release"))
+            args.hold_at = -1
+        opt.zero_grad()
+        t0 = time.time()
+        with ft.step() as step:
+            if len(ft.heal_times) > heals:
+                heals = len(ft.heal_times)
+            if ft._generation != generation:
+                generation = ft._generation
+                if args.dump:
+                    torch.save(ft.state_dict(), os.path.join(
+                        args.dump, f"quorum-{ft.committed_steps}-{ft.world_size}.pt"))
+            x, y, idx = step.batch
+            if ft.committed_steps == args.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss = torch.nn.functional.mse_loss(ft.model(x), y)
+            loss.backward()
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+        log.write(json.dumps({"t0": t0, "t": time.time(), "step": ft.committed_steps,
+                              "committed": step.committed, "world": ft.world_size,
+                              "loss": float(loss), "indices": idx.tolist(),
+                              "epoch": ft.data.sampler.epoch,
+                              "heal_s": ft.heal_times[-1] if heals else None,
+                              "error": None if step.error is None else str(step.error)[:200]})
+                  + "\n")
+    if args.dump:
+        torch.save(ft.state_dict(), os.path.join(args.dump, "end.pt"))
+    ft.close()
+
+
+if __name__ == "__main__":
+    main()
