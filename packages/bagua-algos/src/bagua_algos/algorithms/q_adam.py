@@ -165,6 +165,8 @@ class QAdamState:
 
 
 class QAdamImpl(AlgorithmImpl):
+    synchronous = True
+
     def __init__(self, group, algo: QAdam):
         super().__init__(group)
         self.optimizer = algo.optimizer
