@@ -25,8 +25,7 @@ class _Ckpt(torch.nn.Module):
         if self.reentrant is None:
             return self.inner(x)
         h = checkpoint(self.inner[:2], x, use_reentrant=self.reentrant)
-        h = checkpoint(self.inner[2:4], h, use_reentrant=self.reentrant)
-        return self.inner[4](h)
+        return checkpoint(self.inner[2:], h, use_reentrant=self.reentrant)   # the head too
 
 
 def _bytes_per_step(name, reentrant):

@@ -106,8 +106,7 @@ class _Checkpointed(torch.nn.Module):
         from torch.utils.checkpoint import checkpoint
 
         h = checkpoint(self.inner[:2], x, use_reentrant=self.reentrant)
-        h = checkpoint(self.inner[2:4], h, use_reentrant=self.reentrant)
-        return self.inner[4](h)
+        return checkpoint(self.inner[2:], h, use_reentrant=self.reentrant)   # the head too
 
 
 def _qadam_model(reentrant):
