@@ -116,13 +116,18 @@ class AlgorithmImpl:
     """Per-model state and hooks of an algorithm (override the phases you need).
 
     Class attributes tune the framework: ``bucket_alignment(group)`` pads every bucket to a
-    multiple (compressors split buckets into per-rank chunks); ``flatten_weights = True``
+    multiple (compressors split buckets into per-rank chunks); ``synchronous = True`` (identical
+    models on every rank after each step) lets ``broadcast_buffers`` broadcast rank 0's buffers
+    before each training forward; ``flatten_weights = True``
     makes parameters views of one flat weight buffer per bucket (for algorithms that
     communicate weights); ``uses_grad_buckets = False`` skips gradient buckets altogether.
     """
 
     flatten_weights: ClassVar[bool] = False
     uses_grad_buckets: ClassVar[bool] = True
+    # True: every rank holds the same model after each step, so that with_bagua's
+    # broadcast_buffers=True starts every training forward from rank 0's buffers (as DDP)
+    synchronous: ClassVar[bool] = False
 
     def __init__(self, group: bc.ProcessGroup):
         self.group = group

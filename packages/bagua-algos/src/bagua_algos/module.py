@@ -24,7 +24,8 @@ logger = logging.getLogger("bagua_algos")
 
 def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | None = None, *,
                group: bc.ProcessGroup | None = None, do_flatten: bool = True,
-               bucket_size: int | None = None, autotune: bool | dict = False) -> BaguaModule:
+               bucket_size: int | None = None, autotune: bool | dict = False,
+               broadcast_buffers: bool = True) -> BaguaModule:
     """Wrap ``model`` for data-parallel training with ``algorithm``.
 
     Every rank ends up with rank 0's parameters, buffers and optimizer state.  Gradients (or
@@ -34,11 +35,18 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
     and is waited for at the end of backward.  Calling ``with_bagua`` again on the returned
     module switches it to another algorithm.
 
+    ``broadcast_buffers=True`` (DDP's default): with a synchronous algorithm
+    (GradientAllReduce, ByteGrad, QAdam) every training forward starts from rank 0's buffers
+    (BatchNorm running statistics), broadcast just before it; the other algorithms leave each
+    rank its own buffers (their pages say how they treat them).
+
     ``autotune=True`` (or ``BAGUA_AUTOTUNE=1``) tunes the bucket size (and other knobs that
     leave the algorithm's maths unchanged) during the first steps of training, starting from
     ``bucket_size``; see :meth:`BaguaModule.autotune_report`.
     """
     bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
+    if not isinstance(broadcast_buffers, bool):
+        raise ValueError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
     _autotune.check_bucket_size(bucket_size)
     autotune = _autotune.resolve_options(autotune)     # validated before any communication
     rewrap = isinstance(model, BaguaModule)
@@ -77,7 +85,15 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
         model, optimizers, algorithm,
         {"do_flatten": do_flatten, "bucket_size": bucket_size, "autotune": autotune}), group)
     return BaguaModule(model, optimizers, algorithm, group, do_flatten, bucket_size,
-                       autotune=autotune)
+                       autotune=autotune, broadcast_buffers=broadcast_buffers)
+
+
+class _Done:
+    """A completed handle (one rank: nothing to reduce)."""
+
+    @staticmethod
+    def wait() -> None:
+        return None
 
 
 def _broadcast_tensors(tensors: Iterable[torch.Tensor], group: bc.ProcessGroup) -> None:
@@ -129,7 +145,7 @@ class BaguaModule(torch.nn.Module):
     """A model wrapped by :func:`with_bagua`. ``forward`` passes through to ``.module``."""
 
     def __init__(self, module, optimizers, algorithm, group, do_flatten, bucket_size, *,
-                 autotune: dict | None = None):
+                 autotune: dict | None = None, broadcast_buffers: bool = True):
         super().__init__()
         self.module = module
         self.algorithm = algorithm
@@ -158,13 +174,26 @@ class BaguaModule(torch.nn.Module):
 
         self.impl: AlgorithmImpl = _flat_on_one_level(algorithm, group).reify(group)
         self._tensors = list(self.impl.init_tensors(self.ctx))
-        names = {id(p): n for n, p in module.named_parameters()}
-        self._names = [names.get(id(t), f"tensor{i}") for i, t in enumerate(self._tensors)]
+        self._set_names()
+        # parameters frozen now: watched, so that one unfrozen later joins the buckets
+        seen = {id(t) for t in self._tensors}
+        self._frozen = [p for p in dict.fromkeys(module.parameters())
+                        if not p.requires_grad and id(p) not in seen]
+        # DDP's broadcast_buffers: the buffers, listed once (as DDP does)
+        self._sync_buffers = (list(dict.fromkeys(module.buffers()))
+                              if broadcast_buffers and self.impl.synchronous and group.size > 1
+                              else [])
+        self._used_nosync: set[int] = set()    # gradients accumulated under no_sync()
+        self._unused_flags: torch.Tensor | None = None
         self._set_buckets(self._make_buckets(self._tensors, bucket_size))
         self.impl.init_operations(self.ctx, self.buckets)
         self._register_hooks()
         # autotuning (bagua_algos._autotune): collective, after the buckets exist
         self._autotuner = _autotune.Autotuner(self, autotune) if autotune else None
+
+    def _set_names(self) -> None:
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        self._names = [names.get(id(t), f"tensor{i}") for i, t in enumerate(self._tensors)]
 
     # -- buckets ------------------------------------------------------------------------------
     @property
@@ -270,6 +299,10 @@ class BaguaModule(torch.nn.Module):
 
     def _forward_pre(self, _module, _inputs) -> None:
         if self.training and torch.is_grad_enabled() and self._sync:
+            if self._frozen and any(p.requires_grad for p in self._frozen):
+                self._adopt_unfrozen()
+            if self._sync_buffers:
+                _broadcast_tensors(self._sync_buffers, self.group)
             if self._order_pending:
                 self._fix_order()
             self.ctx.step += 1
@@ -277,10 +310,50 @@ class BaguaModule(torch.nn.Module):
                 self._autotuner.on_step(self)     # may switch configuration, on every rank
             self.impl.forward_pre_hook(self.ctx)
 
+    def _adopt_unfrozen(self) -> None:
+        """Parameters frozen at ``with_bagua`` that now require a gradient join the buckets
+        (collective: every rank unfreezes them before the same forward, as the same training
+        code does).  They start from rank 0's values; the algorithm's state is carried."""
+        newly = [p for p in self._frozen if p.requires_grad]
+        self._frozen = [p for p in self._frozen if not p.requires_grad]
+        _broadcast_tensors(newly, self.group)
+        if self.group.rank == 0:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            logger.warning("bagua_algos: parameters frozen at with_bagua now require a gradient "
+                           f"and join the buckets: {[names.get(id(p), '?') for p in newly]}")
+        known = {id(t) for t in self._tensors}
+        self._tensors = list(self.impl.init_tensors(self.ctx))
+        self._set_names()
+        for p in self._tensors:
+            if id(p) not in known:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        self._unused_flags = None
+        self._relayout(self._bucket_size)
+
+    def _hook_outputs(self, out) -> None:
+        """End-of-backward detection: a hook on the outputs queues the callback in the
+        backward pass that reaches them, the outermost one, so that the inner backward passes
+        of reentrant activation checkpointing do not each end a step."""
+        if isinstance(out, torch.Tensor):
+            if out.requires_grad:
+                out.register_hook(self._output_grad)
+            return
+        from torch.utils._pytree import tree_leaves
+
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._output_grad)
+
+    def _output_grad(self, _grad) -> None:
+        if self._sync and not self._cb_queued:
+            self._cb_queued = True
+            Variable._execution_engine.queue_callback(self._backward_end)
+
     def _grad_ready(self, param) -> None:
         if not self._sync:
+            self._used_nosync.add(id(param))
             return
-        if not self._cb_queued:
+        if not self._cb_queued:           # outputs not hooked (used without forward)
             self._cb_queued = True
             Variable._execution_engine.queue_callback(self._backward_end)
         key = id(param)
@@ -316,9 +389,55 @@ class BaguaModule(torch.nn.Module):
         with torch.cuda.stream(self._comm_stream):
             return self.impl.bucket_ready_hook(self.ctx, bucket)
 
+    def _missing_grads(self):
+        """Before the last buckets start: the tensors that got no gradient in this step (nor
+        in the ``no_sync()`` steps before it) and whose ``.grad`` is None, and this rank's
+        flags (1: a gradient arrived).  None when every tensor got one."""
+        n = len(self._tensors)
+        if self._unused_flags is None or self._unused_flags.numel() != n:
+            self._unused_flags = torch.ones(n, dtype=torch.uint8)
+        flags = self._unused_flags
+        if len(self._ready) == n:
+            flags.fill_(1)
+            return None
+        used = self._ready | self._used_nosync
+        flags.fill_(0)
+        none_before = []
+        for i, t in enumerate(self._tensors):
+            if id(t) in used:
+                flags[i] = 1
+            elif t.grad is None:
+                none_before.append((i, t))
+        return none_before
+
+    def _start_unused_check(self, none_before):
+        """After every bucket started (the same order on every rank): reduce the flags with
+        MAX, so that each rank knows which tensors no rank gave a gradient."""
+        if self.group.size == 1:
+            return _Done() if none_before else None
+        return bc.allreduce_inplace(self._unused_flags, bc.ReduceOp.MAX, group=self.group,
+                                    async_op=True)
+
+    def _finish_unused_check(self, handle, none_before) -> None:
+        """A tensor no rank gave a gradient keeps ``.grad`` None (DDP with
+        ``find_unused_parameters=True``: the optimizer skips it); one used on some rank keeps
+        the average, in which this rank's missing gradient counted as zero."""
+        handle.wait()
+        if not none_before:             # every tensor used here: nothing to restore
+            return
+        flags = self._unused_flags
+        for i, t in none_before:
+            if not flags[i]:
+                t.grad = None
+
     def _backward_end(self) -> None:
+        check = None
         try:
+            grads = self.impl.uses_grad_buckets
+            none_before = self._missing_grads() if grads else None
             self._launch(force=True)
+            if grads:
+                check = (self._start_unused_check(none_before), none_before)
             for _, handle in self._handles:
                 if handle is not None:
                     handle.wait()
@@ -327,9 +446,12 @@ class BaguaModule(torch.nn.Module):
                     self._comm_stream)
             for b, _ in self._handles:
                 b.scatter_grads()
+            if check is not None and check[0] is not None:
+                self._finish_unused_check(*check)
         finally:
             self._handles.clear()
             self._ready.clear()
+            self._used_nosync.clear()
             self._pending = [len(b.params) for b in self.buckets]
             self._next = 0
             self._cb_queued = False
@@ -412,7 +534,10 @@ class BaguaModule(torch.nn.Module):
 
     # -- user API -------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if self._sync and self.training and torch.is_grad_enabled():
+            self._hook_outputs(out)
+        return out
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -134,6 +134,11 @@ def probe(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
     """
     if isinstance(optimizer, _known_not_elementwise()):
         return f"{type(optimizer).__name__} is not elementwise"
+    # An optimizer class may say why it must see its own parameters (bagua_algos'
+    # QAdamOptimizer: its momentum is computed per parameter during backward).
+    why = getattr(optimizer, "_bagua_fuse_refusal", None)
+    if isinstance(why, str):
+        return why
     gen = torch.Generator().manual_seed(0x6A6)
     init = [torch.randn(s, generator=gen).to(dtype=dtype, device=device) for s in shapes]
     grads = [[torch.randn(s, generator=gen).to(dtype=dtype, device=device) for s in shapes]

@@ -112,6 +112,8 @@ def reset_residuals_note(state) -> str | None:
 
 
 class ByteGradImpl(AlgorithmImpl):
+    synchronous = True
+
     def __init__(self, group, algo: ByteGrad):
         super().__init__(group)
         self.state = ByteGradState(group, algo)

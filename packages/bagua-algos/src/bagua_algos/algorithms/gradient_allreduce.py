@@ -31,6 +31,8 @@ class GradientAllReduce(Algorithm, name="gradient_allreduce"):
 
 
 class GradientAllReduceImpl(AlgorithmImpl):
+    synchronous = True
+
     def __init__(self, group, hierarchical, average):
         super().__init__(group)
         self.op = bc.ReduceOp.AVG if average else bc.ReduceOp.SUM

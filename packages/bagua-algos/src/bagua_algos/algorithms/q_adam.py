@@ -30,6 +30,14 @@ class QAdamOptimizer(torch.optim.Optimizer):
     ``warmup_steps``, a smaller ``lr`` or a larger ``eps`` make it safer.
     """
 
+    # bagua_optim.fuse_optimizer steps stand-in parameters over runs of real ones; QAdam
+    # computes the momentum of the real ones in backward, so they are stepped one by one.
+    # torch.amp.GradScaler hands this optimizer the scale and the overflow flag (as
+    # attributes grad_scale and found_inf, set around step()) instead of unscaling itself.
+    _step_supports_amp_scaling = True
+    _bagua_fuse_refusal = ("QAdamOptimizer's momentum is computed per parameter in backward "
+                           "by the QAdam algorithm, so a fused stand-in would miss it")
+
     def __init__(self, params, lr: float = 1e-3, warmup_steps: int = 100,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0):
@@ -50,6 +58,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.warmup_steps = warmup_steps
         self.momentum_ready: set[int] = set()   # params whose exp_avg QAdam already updated
+        self._under_qadam = False               # set by the QAdam algorithm (with_bagua)
 
     def init_state(self, p) -> dict:
         state = self.state[p]
@@ -68,6 +77,25 @@ class QAdamOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        if scale is not None or found_inf is not None:
+            if self._under_qadam:
+                raise RuntimeError(
+                    "QAdam cannot train with torch.amp.GradScaler: after warmup the QAdam "
+                    "algorithm folds each gradient into the momentum during backward and "
+                    "averages that momentum across ranks, before the scaler can unscale the "
+                    "gradient or skip an overflowing step (and an overflow on one rank would "
+                    "skip the step there only). Drop the GradScaler (bfloat16 autocast needs "
+                    "none) or use another algorithm, e.g. ByteGrad, with torch.optim.Adam")
+            if found_inf is not None and float(found_inf) > 0:
+                return loss                       # GradScaler: an overflow skips the step
+            if scale is not None:                 # unscale as GradScaler.unscale_ would
+                inv = scale.double().reciprocal().float()
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad.mul_(inv.to(p.grad.device))
         for group in self.param_groups:
             group["step_id"] += 1
             t = group["step_id"]
@@ -137,11 +165,14 @@ class QAdamState:
 
 
 class QAdamImpl(AlgorithmImpl):
+    synchronous = True
+
     def __init__(self, group, algo: QAdam):
         super().__init__(group)
         self.optimizer = algo.optimizer
         self.state = QAdamState(group, algo)
         self._group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        self.optimizer._under_qadam = True
 
     def bucket_alignment(self) -> int:
         return self.state.compressed.alignment()
@@ -196,4 +227,5 @@ class QAdamImpl(AlgorithmImpl):
         return reset_residuals_note(state)
 
     def shutdown(self):
+        self.optimizer._under_qadam = False
         self.state.compressed.close()

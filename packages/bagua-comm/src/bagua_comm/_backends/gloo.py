@@ -110,22 +110,27 @@ class GlooBackend(Backend):
         # Other ranks hold partial results: only dst averages (and copies back).
         return finish([h], then if self.group.rank == dst else None, async_op)
 
+    # Buffers may have any shape (a ``[world, n]`` allgather output, a ``[2, n]``
+    # reduce_scatter input): gloo compares shapes, so every collective below moves flat
+    # views of them, as the NCCL backend does (the primitives checked they are contiguous).
     def allgather(self, send, recv, async_op):
-        return finish([self.pg._allgather_base(recv, send)], async_op=async_op)
+        return finish([self.pg._allgather_base(recv.view(-1), send.view(-1))],
+                      async_op=async_op)
 
     def gather(self, send, recv, dst, async_op):
         me = self.group.rank
-        outs = [list(recv.chunk(self.size))] if me == dst else []
-        h = self.pg.gather(outs, [send], _opts(dist.GatherOptions, rootRank=dst))
+        outs = [list(recv.view(-1).chunk(self.size))] if me == dst else []
+        h = self.pg.gather(outs, [send.view(-1)], _opts(dist.GatherOptions, rootRank=dst))
         return finish([h], async_op=async_op)
 
     def scatter(self, send, recv, src, async_op):
         me = self.group.rank
-        ins = [list(send.chunk(self.size))] if me == src else []
-        h = self.pg.scatter([recv], ins, _opts(dist.ScatterOptions, rootRank=src))
+        ins = [list(send.view(-1).chunk(self.size))] if me == src else []
+        h = self.pg.scatter([recv.view(-1)], ins, _opts(dist.ScatterOptions, rootRank=src))
         return finish([h], async_op=async_op)
 
     def reduce_scatter(self, send, recv, op, async_op):
+        send, recv = send.view(-1), recv.view(-1)
         if op not in (ReduceOp.SUM, ReduceOp.AVG):
             return self._reduce_scatter_rows(send, recv, op, async_op)
         opts = self._rs_opts[op]
@@ -161,7 +166,8 @@ class GlooBackend(Backend):
         return finish([h], then, async_op)
 
     def alltoall(self, send, recv, async_op):
-        return finish([self.pg.alltoall_base(recv, send, [], [], self._a2a_opts)],
+        return finish([self.pg.alltoall_base(recv.view(-1), send.view(-1), [], [],
+                                             self._a2a_opts)],
                       async_op=async_op)
 
     def alltoall_v(self, send, send_counts, send_displs, recv, recv_counts, recv_displs,
