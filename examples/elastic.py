@@ -159,7 +159,7 @@ def load_checkpoint(directory: Path, model, optimizer, sampler) -> tuple[int, in
     path = directory / CHECKPOINT
     if not path.exists():
         return 0, 0
-    ck = torch.load(path, weights_only=False)
+    ck = torch.load(path, weights_only=True)
     model.load_state_dict(ck["model"])
     optimizer.load_state_dict(ck["optimizer"])   # carries the algorithm's state
     sampler.load_state_dict(ck["sampler"])       # the job's position, re-dealt to this world

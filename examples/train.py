@@ -130,7 +130,7 @@ def main(argv=None) -> dict:
     start_epoch = 0
     ck_path = f"{args.checkpoint}.rank{rank}" if args.checkpoint else None
     if ck_path and os.path.exists(ck_path):
-        ck = torch.load(ck_path, weights_only=False)
+        ck = torch.load(ck_path, weights_only=True)
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
         start_epoch = ck["epoch"]

@@ -72,10 +72,10 @@ def test_e2e_writes_every_field_and_ddp_traffic_matches_a_ring_allreduce(tmp_pat
         assert ddp["bytes_source"] == "wire"
         assert 0.95 * grad_bytes < ddp["bytes_per_step"] < 1.6 * grad_bytes
     ga = runs["gradient_allreduce"]
-    if ga["status"] == "ok":
-        # Same averaged gradients as DDP, same optimizer, same data: the same loss.
-        assert ga["loss"] == pytest.approx(ddp["loss"], rel=1e-4)
-        assert ga["speedup_vs_ddp"] == pytest.approx(ga["samples_per_s"] / ddp["samples_per_s"])
+    assert ga["status"] == "ok", ga          # a crashed row fails the test, never passes it
+    # Same averaged gradients as DDP, same optimizer, same data: the same loss.
+    assert ga["loss"] == pytest.approx(ddp["loss"], rel=1e-4)
+    assert ga["speedup_vs_ddp"] == pytest.approx(ga["samples_per_s"] / ddp["samples_per_s"])
 
 
 @pytest.mark.timeout(420)
