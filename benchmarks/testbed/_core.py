@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._latency import DelayLineProcess, latency_matrix
-from .delay import IFNAME as DELAY_IFNAME
 from ._shaping import shape_commands, validate_rates
 from ._system import Sandbox, detect_mode
+from .delay import IFNAME as DELAY_IFNAME
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _STATE_DIR = Path(os.environ.get("BAGUA_TESTBED_STATE", "/run/bagua-testbed"))
