@@ -5,6 +5,7 @@
 
     bc.init_process_group()
     model = with_bagua(model, [optimizer], GradientAllReduce())
+    model = with_bagua(model, [optimizer], "auto")   # chosen from the measured network
 """
 
 from ._version import __version__
@@ -18,10 +19,11 @@ from .algorithms import (
     QAdam,
     QAdamOptimizer,
 )
+from ._recommend import recommend
 from .module import BaguaModule, with_bagua
 
 __all__ = [
     "Algorithm", "AlgorithmImpl", "AsyncModelAverage", "BaguaModule", "ByteGrad",
     "Decentralized", "GradientAllReduce", "LowPrecisionDecentralized", "QAdam",
-    "QAdamOptimizer", "__version__", "with_bagua",
+    "QAdamOptimizer", "__version__", "recommend", "with_bagua",
 ]
