@@ -8,6 +8,7 @@
     model = with_bagua(model, [optimizer], "auto")   # chosen from the measured network
 """
 
+from ._recommend import recommend
 from ._version import __version__
 from .algorithm import Algorithm, AlgorithmImpl
 from .algorithms import (
@@ -19,7 +20,6 @@ from .algorithms import (
     QAdam,
     QAdamOptimizer,
 )
-from ._recommend import recommend
 from .module import BaguaModule, with_bagua
 
 __all__ = [
