@@ -226,13 +226,10 @@ def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None
 
 
 def resolve_algorithm(spec: str, model, group=None):
-    """``with_bagua``'s string form: ``"auto"`` (:func:`recommend`; collective) or a registry
-    name (``Algorithm.init(spec)``, no communication).  ``BAGUA_ALGORITHM`` overrules
-    ``"auto"`` only; an explicit name is always used as given."""
-    from .algorithm import Algorithm
-
+    """``with_bagua(model, opts, "auto")``: :func:`recommend`'s algorithm (collective).
+    ``BAGUA_ALGORITHM`` overrules it; an explicit Algorithm never reaches here."""
     if spec != "auto":
-        return Algorithm.init(spec)
+        raise ValueError(f"algorithm as a string must be 'auto', got {spec!r}")
     if not bc.is_initialized() and torch.distributed.is_initialized():
         bc.init_process_group()  # adopt torch's default process group, as with_bagua does
     if not bc.is_initialized():
