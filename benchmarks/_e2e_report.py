@@ -16,9 +16,29 @@ def bw_label(bw) -> str:
     return f"{bw / 1000:g} Gbit/s" if bw >= 1000 else f"{bw:g} Mbit/s"
 
 
-def _ddp(runs: list[dict], bw) -> dict | None:
+def cell(r: dict) -> tuple:
+    """The network a run measured: ``(bandwidth_mbit, latency_ms)`` (latency 0: none)."""
+    return r["bandwidth_mbit"], r.get("latency_ms") or 0
+
+
+def cell_label(c: tuple) -> str:
+    """``"100 Mbit/s"``, or ``"100 Mbit/s, 50 ms"`` with a one-way latency."""
+    bw, lat = c
+    return bw_label(bw) + (f", {lat:g} ms" if lat else "")
+
+
+def cells(runs: list[dict]) -> list[tuple]:
+    """The cells of ``runs``, in the order they were run."""
+    out = []
     for r in runs:
-        if r["bandwidth_mbit"] == bw and r["algorithm"] == "ddp" and r["status"] == "ok":
+        if cell(r) not in out:
+            out.append(cell(r))
+    return out
+
+
+def _ddp(runs: list[dict], c: tuple) -> dict | None:
+    for r in runs:
+        if cell(r) == c and r["algorithm"] == "ddp" and r["status"] == "ok":
             return r
     return None
 
@@ -32,26 +52,26 @@ def time_to_loss(curve, target: float):
 
 
 def add_ratios(runs: list[dict]) -> None:
-    """Add the ratios to DDP of the same bandwidth and run: ``speedup_vs_ddp`` (throughput),
+    """Add the ratios to DDP of the same cell (bandwidth and latency) and run: ``speedup_vs_ddp`` (throughput),
     ``loss_vs_ddp`` (held-out loss after N steps), ``ddp_loss_target`` (DDP's loss after N
     steps), ``time_to_ddp_loss_s`` (wall time to reach it; None if never within the budget)
     and ``tta_speedup_vs_ddp`` (DDP's time to its loss / this run's)."""
     for r in runs:
-        ddp = _ddp(runs, r["bandwidth_mbit"])
+        ddp = _ddp(runs, cell(r))
         ok = r["status"] == "ok" and ddp is not None
         r["speedup_vs_ddp"] = r["samples_per_s"] / ddp["samples_per_s"] if ok else None
         r["loss_vs_ddp"] = r["loss"] / ddp["loss"] if ok else None
         r["ddp_loss_target"] = ddp["loss"] if ok else None
         r["time_to_ddp_loss_s"] = time_to_loss(r.get("eval_curve"), ddp["loss"]) if ok else None
     for r in runs:
-        ddp = _ddp(runs, r["bandwidth_mbit"])
+        ddp = _ddp(runs, cell(r))
         t, t_ddp = r["time_to_ddp_loss_s"], ddp and ddp["time_to_ddp_loss_s"]
         r["tta_speedup_vs_ddp"] = t_ddp / t if t and t_ddp else None
 
 
-def _best(runs, bw, names) -> dict | None:
-    """The run among ``names`` at ``bw`` that reached DDP's loss soonest."""
-    cands = [r for r in runs if r["bandwidth_mbit"] == bw and r["algorithm"] in names
+def _best(runs, c, names) -> dict | None:
+    """The run among ``names`` in cell ``c`` that reached DDP's loss soonest."""
+    cands = [r for r in runs if cell(r) == c and r["algorithm"] in names
              and r.get("time_to_ddp_loss_s") is not None]
     return min(cands, key=lambda r: r["time_to_ddp_loss_s"]) if cands else None
 
@@ -62,49 +82,53 @@ def check_targets(runs: list[dict]) -> list[dict]:
     run, not a failure of it."""
     out = []
 
-    def add(what, bw, algo, value, need, ok):
-        out.append({"target": what, "bandwidth_mbit": bw, "algorithm": algo,
-                    "value": value, "need": need, "met": bool(ok)})
+    def add(what, c, algo, value, need, ok):
+        out.append({"target": what, "bandwidth_mbit": c[0], "latency_ms": c[1],
+                    "algorithm": algo, "value": value, "need": need, "met": bool(ok)})
 
-    bws = []
-    for r in runs:
-        if r["bandwidth_mbit"] not in bws:
-            bws.append(r["bandwidth_mbit"])
-    by = {(r["bandwidth_mbit"], r["algorithm"]): r for r in runs if r["status"] == "ok"}
+    by = {(cell(r), r["algorithm"]): r for r in runs if r["status"] == "ok"}
     bagua = sorted({r["algorithm"] for r in runs} - {"ddp", *DDP_PEERS})
-    for bw in bws:
-        ddp = by.get((bw, "ddp"))
+    for c in cells(runs):
+        bw = c[0]
+        ddp = by.get((c, "ddp"))
         if ddp is None:
             continue
         hosts = ddp["world_size"] // (ddp.get("procs_per_host") or 1)
         if bw == 100 and hosts >= 4:
-            dec = [by[(bw, a)] for a in ("decentralized", "decentralized_shift_one")
-                   if (bw, a) in by]
+            dec = [by[(c, a)] for a in ("decentralized", "decentralized_shift_one")
+                   if (c, a) in by]
             if dec:
                 best = max(dec, key=lambda r: r["speedup_vs_ddp"])
-                add(f"Decentralized throughput vs DDP, {hosts} hosts", bw, best["algorithm"],
+                add(f"Decentralized throughput vs DDP, {hosts} hosts", c, best["algorithm"],
                     best["speedup_vs_ddp"], ">= 1.5", best["speedup_vs_ddp"] >= 1.5)
-        hier, flat = by.get((bw, "bytegrad")), by.get((bw, "bytegrad_flat"))
+                t_dec = _best(runs, c, ("decentralized", "decentralized_shift_one"))
+                if c[1] >= 50 and ddp.get("time_to_ddp_loss_s"):
+                    v = (ddp["time_to_ddp_loss_s"] / t_dec["time_to_ddp_loss_s"]
+                         if t_dec else None)
+                    add(f"Decentralized reaches DDP's loss sooner than DDP, {hosts} hosts "
+                        f"(DDP's time / its)", c, t_dec["algorithm"] if t_dec else "-", v,
+                        "> 1", v is not None and v > 1)
+        hier, flat = by.get((c, "bytegrad")), by.get((c, "bytegrad_flat"))
         if bw is not None and hier and flat and (ddp.get("procs_per_host") or 1) > 1:
             v = hier["samples_per_s"] / flat["samples_per_s"]
-            add("hierarchical ByteGrad vs flat ByteGrad (throughput)", bw, "bytegrad", v,
+            add("hierarchical ByteGrad vs flat ByteGrad (throughput)", c, "bytegrad", v,
                 ">= 1.3", v >= 1.3)
         t_ddp = ddp.get("time_to_ddp_loss_s")
-        ours = _best(runs, bw, bagua)
+        ours = _best(runs, c, bagua)
         if bw is not None and t_ddp and ddp["comm_s"] >= 0.5 * ddp["step_s"]:
             v = ours["time_to_ddp_loss_s"] / t_ddp if ours else None
             add("best bagua time to DDP's loss vs DDP's time (comm >= half of DDP's step)",
-                bw, ours["algorithm"] if ours else "-", v, "<= 0.5", v is not None and v <= 0.5)
-        peer = _best(runs, bw, DDP_PEERS)
+                c, ours["algorithm"] if ours else "-", v, "<= 0.5", v is not None and v <= 0.5)
+        peer = _best(runs, c, DDP_PEERS)
         if peer is not None:
             ok = ours is not None and ours["time_to_ddp_loss_s"] <= peer["time_to_ddp_loss_s"]
             v = (peer["time_to_ddp_loss_s"] / ours["time_to_ddp_loss_s"]) if ours else None
             add(f"no DDP-hook peer sooner than our best ({peer['algorithm']}'s time / "
-                f"{ours['algorithm'] if ours else 'none'}'s)", bw,
+                f"{ours['algorithm'] if ours else 'none'}'s)", c,
                 ours["algorithm"] if ours else "-", v, ">= 1", ok)
-        if bw is None and (bw, "gradient_allreduce") in by:
-            s = by[(bw, "gradient_allreduce")]["speedup_vs_ddp"]
-            add("unshaped GradientAllReduce throughput vs DDP", bw, "gradient_allreduce", s,
+        if c == (None, 0) and (c, "gradient_allreduce") in by:
+            s = by[(c, "gradient_allreduce")]["speedup_vs_ddp"]
+            add("unshaped GradientAllReduce throughput vs DDP", c, "gradient_allreduce", s,
                 ">= 0.95", s >= 0.95)
     return out
 
@@ -113,7 +137,7 @@ def verdict(runs: list[dict], targets: list[dict]) -> list[str]:
     """Plain lines: did every run measure, which targets passed and which did not."""
     bad = [r for r in runs if r["status"] != "ok"]
     lines = [f"runs: {len(runs) - len(bad)} of {len(runs)} measured" + (
-        "" if not bad else " (" + ", ".join(f"{bw_label(r['bandwidth_mbit'])} "
+        "" if not bad else " (" + ", ".join(f"{cell_label(cell(r))} "
                                              f"{r['algorithm']}: {r['status']}" for r in bad)
         + ")")]
     met = [t for t in targets if t["met"]]
@@ -124,12 +148,13 @@ def verdict(runs: list[dict], targets: list[dict]) -> list[str]:
     return lines
 
 
-_COLUMNS = [("bandwidth", "left"), ("algorithm", "left"), ("mode", "left"),
+_COLUMNS = [("bandwidth", "left"), ("latency", "right"), ("algorithm", "left"), ("mode", "left"),
             ("samples/s", "right"), ("x DDP", "right"), ("step ms", "right"),
             ("compute", "right"), ("comm", "right"), ("MB/st/rk", "right"),
             ("loss@N", "right"), ("to DDP loss s", "right"), ("TTA xDDP", "right"),
             ("loss@T", "right")]
-LEGEND = ("mode: the algorithm's mode (hier: averages inside a host first, only node leaders "
+LEGEND = ("latency: one-way delay between two hosts (round trip: twice it).  "
+          "mode: the algorithm's mode (hier: averages inside a host first, only node leaders "
           "use the shaped link; flat: every rank on the link; all/shift_one: Decentralized's "
           "peers; async: its averaging interval and the rounds inside the timed window).  "
           "step/compute/comm: ms per step (comm: exposed, step - compute).  "
@@ -154,17 +179,21 @@ def _mode(r: dict) -> str:
     return note
 
 
+def _lat(r: dict) -> str:
+    return f"{r.get('latency_ms') or 0:g} ms"
+
+
 def _rows(runs: list[dict]) -> list[list[str]]:
     rows = []
     for r in runs:
         if r["status"] != "ok":
             style = "yellow" if r["status"] == "unavailable" else "red"
-            rows.append([bw_label(r["bandwidth_mbit"]), r["algorithm"], *["-"] * 10,
+            rows.append([bw_label(r["bandwidth_mbit"]), _lat(r), r["algorithm"], *["-"] * 10,
                          f"[{style}]{r['status']}[/]: {(r.get('reason') or '')[:70]}"])
             continue
         s, t, x = r.get("speedup_vs_ddp"), r.get("time_to_ddp_loss_s"), r.get(
             "tta_speedup_vs_ddp")
-        rows.append([bw_label(r["bandwidth_mbit"]), r["algorithm"], _mode(r),
+        rows.append([bw_label(r["bandwidth_mbit"]), _lat(r), r["algorithm"], _mode(r),
                      f"{r['samples_per_s']:.1f}", "-" if s is None else f"{s:.2f}",
                      f"{r['step_s'] * 1e3:.0f}", f"{r['compute_s'] * 1e3:.0f}",
                      f"{r['comm_s'] * 1e3:.0f}", f"{r['bytes_per_step'] / 1e6:.2f}",
@@ -223,10 +252,8 @@ def plot(runs: list[dict], path: Path, subtitle: str = "") -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bws, algos = [], []
+    bws, algos = cells(runs), []
     for r in runs:
-        if r["bandwidth_mbit"] not in bws:
-            bws.append(r["bandwidth_mbit"])
         if r["algorithm"] not in algos:
             algos.append(r["algorithm"])
     ours = [a for a in algos if a != "ddp" and a not in DDP_PEERS]
@@ -239,7 +266,7 @@ def plot(runs: list[dict], path: Path, subtitle: str = "") -> Path | None:
         ddp = _ddp(runs, bw)
         tmax = 0.0
         for r in runs:
-            if r["bandwidth_mbit"] != bw or r["status"] != "ok" or not r.get("eval_curve"):
+            if cell(r) != bw or r["status"] != "ok" or not r.get("eval_curve"):
                 continue
             c = r["eval_curve"]
             (line,) = ax.plot([p[1] for p in c], [p[2] for p in c], marker=".", ms=3,
@@ -261,7 +288,7 @@ def plot(runs: list[dict], path: Path, subtitle: str = "") -> Path | None:
                 ax.annotate(f"T={wall:g}s", (wall, 1), xycoords=("data", "axes fraction"),
                             xytext=(2, -10), textcoords="offset points", fontsize=7,
                             color="grey")
-        ax.set_title(f"held-out loss vs wall time, {bw_label(bw)}", fontsize=9)
+        ax.set_title(f"held-out loss vs wall time, {cell_label(bw)}", fontsize=9)
         ax.set_xlabel("training wall time (s); o = reaches DDP's loss@N")
         ax.set_ylabel("held-out loss (mean of ranks)")
     ax = axes[0][-1]
@@ -270,12 +297,12 @@ def plot(runs: list[dict], path: Path, subtitle: str = "") -> Path | None:
     for j, bw in enumerate(bws):
         vals = []
         for a in shown:
-            r = next((r for r in runs if r["bandwidth_mbit"] == bw and r["algorithm"] == a),
+            r = next((r for r in runs if cell(r) == bw and r["algorithm"] == a),
                      None)
             vals.append((r or {}).get("tta_speedup_vs_ddp") or 0.0)
         ys = [k + (j - (len(bws) - 1) / 2) * width for k in range(len(shown))]
         bars = ax.barh(ys, vals, height=width * 0.95, color=f"C{j}", alpha=0.55 + 0.45 * (
-            j == 0), label=bw_label(bw))
+            j == 0), label=cell_label(bw))
         for b, v in zip(bars, vals):
             ax.annotate("never" if v == 0 else f"{v:.2f}x", (v, b.get_y() + b.get_height() / 2),
                         xytext=(2, 0), textcoords="offset points", va="center", fontsize=6)

@@ -2,6 +2,7 @@
 
     python benchmarks/e2e.py --quick          # 2 hosts x 2 processes, 100 Mbit/s: ~4 min
     python benchmarks/e2e.py --hosts 4 --bandwidths 100,1000 --json out/e2e.json
+    python benchmarks/e2e.py --hosts 4 --bandwidths 100 --latencies 0,5,50   # with latency
 
 For each link bandwidth the testbed (benchmarks/testbed) emulates ``--hosts`` machines, each
 a network namespace behind a ``tc``-shaped link, and launches a real multi-node job with
@@ -13,7 +14,8 @@ reports the wall time each needs to reach the held-out loss DDP reaches after N 
 headline), samples/s, time per step split into compute and exposed communication, bytes sent
 per rank per step (measured on the host's interface), the loss after N steps and after T
 seconds.  An algorithm bagua_algos does not provide is reported as unavailable, never
-skipped.  Where network namespaces cannot be made, the job runs as plain processes over
+skipped.  ``--latency-ms``/``--latencies`` add a one-way delay between every two hosts (the
+testbed's delay line); every run records its ``latency_ms``.  Where network namespaces cannot be made, the job runs as plain processes over
 loopback (unshaped only) and says so.
 """
 
@@ -36,7 +38,7 @@ from _e2e_report import (  # noqa: E402
     PlainConsole,
     PlainProgress,
     add_ratios,
-    bw_label,
+    cell_label,
     check_targets,
     plot,
     table,
@@ -73,6 +75,20 @@ def _bandwidths(text: str) -> list:
     return out
 
 
+def _latencies(text: str) -> list:
+    out = []
+    for part in text.split(","):
+        try:
+            value = float(part.strip().lower().removesuffix("ms"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"latencies must be one-way milliseconds (e.g. 0,5,50), got {part!r}") from None
+        if not 0 <= value <= 10_000:
+            raise argparse.ArgumentTypeError(f"latencies must be in [0, 10000] ms, got {part!r}")
+        out.append(int(value) if value == int(value) else value)
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,6 +96,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help=f"fewer bandwidths and steps ({QUICK}); finishes in a few minutes")
     ap.add_argument("--bandwidths", help="comma list of Mbit/s or 'none' (unshaped); "
                     f"default {FULL['bandwidths']}")
+    lat = ap.add_mutually_exclusive_group()
+    lat.add_argument("--latency-ms", help="one-way delay added between every two hosts, ms "
+                     "(default 0: none)")
+    lat.add_argument("--latencies", help="comma list of one-way delays (ms) to run each "
+                     "bandwidth at, e.g. 0,5,50")
     ap.add_argument("--algorithms", help="comma list of rows (default: every row; "
                     "bytegrad_flat only with --procs-per-host > 1)")
     ap.add_argument("--hosts", type=int, help="emulated hosts (network namespaces; default 2)")
@@ -114,8 +135,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, key, value)
     try:
         args.bandwidths = _bandwidths(args.bandwidths)
+        args.latencies = _latencies(args.latencies or args.latency_ms or "0")
     except argparse.ArgumentTypeError as err:
         ap.error(str(err))
+    if args.latency_ms is not None:
+        args.latency_ms = args.latencies[0]
     if args.algorithms is None:
         args.algorithms = ",".join(default_rows(args.procs_per_host))
     args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
@@ -153,7 +177,7 @@ class Launcher:
                   "--procs-per-host", a.procs_per_host, "--powersgd-rank", a.powersgd_rank,
                   "--async-interval-ms", a.async_interval_ms,
                   "--budget-factor", a.budget_factor, "--ddp-seconds", ddp_seconds,
-                  "--ifname", self.tb.hosts[0].ifname if self.tb else ""]
+                  "--ifname", self.tb.data_ifname if self.tb else ""]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.launches += 1
         procs = []
@@ -196,16 +220,19 @@ def _log_tail(outdir: Path, n: int = 2) -> str:
     return " | ".join((found or last)[-n:])
 
 
-def run_bandwidth(bw, args, launcher: Launcher, progress, console) -> list[dict]:
-    """Every algorithm at one bandwidth; a crashed job is relaunched for the rest."""
+def run_bandwidth(bw, args, launcher: Launcher, progress, console,
+                  latency_ms=0) -> list[dict]:
+    """Every algorithm in one cell (bandwidth, latency); a crashed job is relaunched for the
+    rest."""
+    label = cell_label((bw, latency_ms))
     results: dict[str, dict] = {}
     remaining = list(args.algorithms)
     total = args.warmup + args.steps
-    tasks = {a: progress.add_task(f"{bw_label(bw):>12} {a}", total=total, start=False)
+    tasks = {a: progress.add_task(f"{label:>12} {a}", total=total, start=False)
              for a in remaining}
     attempt = 0
     while remaining:
-        outdir = args.workdir / f"{bw_label(bw).replace(' ', '').replace('/', '')}-{attempt}"
+        outdir = args.workdir / f"{re.sub(r'[ /,]', '', label)}-{attempt}"
         outdir.mkdir(parents=True, exist_ok=True)
         for f in outdir.glob("*"):
             f.unlink()
@@ -252,7 +279,7 @@ def run_bandwidth(bw, args, launcher: Launcher, progress, console) -> list[dict]
                 results[a] = {"algorithm": a, "status": "failed",
                               "reason": f"{why}: {_log_tail(outdir)}"}
                 remaining.remove(a)
-                progress.update(tasks[a], description=f"{bw_label(bw):>12} {a} (failed)")
+                progress.update(tasks[a], description=f"{label:>12} {a} (failed)")
         if remaining and not started:
             # The job died before any algorithm began (rendezvous, import...): give up.
             for a in remaining:
@@ -266,14 +293,30 @@ def run_bandwidth(bw, args, launcher: Launcher, progress, console) -> list[dict]
                 progress.update(tasks[a], completed=total)
     runs = []
     for a in args.algorithms:
-        r = {"bandwidth_mbit": bw, **results[a]}
+        r = {"bandwidth_mbit": bw, "latency_ms": latency_ms, **results[a]}
         for key in _NUMERIC:
             r.setdefault(key, None)
         runs.append(r)
         msg = (f"{r['samples_per_s']:.1f} samples/s, loss {r['loss']:.3f}"
                if r["status"] == "ok" else f"{r['status']}: {r.get('reason')}")
-        console.log(f"{bw_label(bw)} {a}: {msg}")
+        console.log(f"{label} {a}: {msg}")
     return runs
+
+
+def delay_line_check(before: dict | None, after: dict | None) -> dict | None:
+    """What the delay line did during one cell, and whether it kept up: packets that left
+    more than 1 ms late (the line short of CPU) make the cell's latency larger than asked."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in ("packets", "bytes", "dropped_queue", "cpu_s",
+                                           "late_over_1ms", "late_over_5ms")}
+    frac = d["late_over_1ms"] / max(1, d["packets"])
+    d["late_over_1ms_frac"] = frac
+    d["kept_up"] = frac < 0.01
+    d["note"] = (f"{d['packets']} packets, {d['cpu_s']:.1f} CPU s, "
+                 f"{100 * frac:.2f}% > 1 ms late" + ("" if d["kept_up"] else
+                                                     " (FELL BEHIND: latency distorted)"))
+    return d
 
 
 def main(argv=None) -> int:
@@ -310,6 +353,10 @@ def main(argv=None) -> int:
                       f"over loopback instead, unshaped only. Bandwidth effects are NOT "
                       f"measured in this mode.")
         args.bandwidths = [None]
+        if any(args.latencies):
+            console.print(f"[bold red]latency {args.latencies} ms not emulated[/] without a "
+                          f"testbed: running at 0 ms only")
+        args.latencies = [0]
     model = make_model(args.size)
     data = MarkovText(args.size)
     console.print(f"model: transformer '{args.size}', {num_params(model) / 1e6:.2f}M "
@@ -323,9 +370,18 @@ def main(argv=None) -> int:
     try:
         with progress_bar() as progress:
             for bw in args.bandwidths:
-                if tb is not None:
-                    tb.reshape(bandwidth_mbit=bw)
-                runs += run_bandwidth(bw, args, launcher, progress, console)
+                for lat in args.latencies:
+                    if tb is not None:
+                        tb.reshape(bandwidth_mbit=bw)
+                        tb.set_latency(lat)
+                    before = tb.delay_stats() if tb is not None and lat else None
+                    cell_runs = run_bandwidth(bw, args, launcher, progress, console, lat)
+                    line = delay_line_check(before, tb.delay_stats() if before else None)
+                    if line is not None:
+                        console.log(f"{cell_label((bw, lat))}: delay line {line['note']}")
+                    for r in cell_runs:
+                        r["delay_line"] = line
+                    runs += cell_runs
     finally:
         if tb is not None:
             tb.close()
@@ -341,7 +397,8 @@ def main(argv=None) -> int:
     for t in targets:
         mark = "[green]met[/]" if t["met"] else "[red]not met[/]"
         value = "none reached it" if t["value"] is None else f"{t['value']:.2f}"
-        console.print(f"target {t['target']} ({bw_label(t['bandwidth_mbit'])}, "
+        console.print(f"target {t['target']} "
+                      f"({cell_label((t['bandwidth_mbit'], t['latency_ms']))}, "
                       f"{t['algorithm']}): {value}, need {t['need']}: {mark}")
     lines = verdict(runs, targets)
     report = {

@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _e2e_model import SIZES, MarkovText, lm_loss, make_model, num_params  # noqa: E402
+from _e2e_report import markdown  # noqa: E402
 
-REQUIRED = ("bandwidth_mbit", "algorithm", "samples_per_s", "loss", "bytes_per_step")
+REQUIRED = ("bandwidth_mbit", "latency_ms", "algorithm", "samples_per_s", "loss", "bytes_per_step")
 # Every field a measured run has (time to accuracy included).
 FIELDS = REQUIRED + ("status", "world_size", "procs_per_host", "step_s", "compute_s", "comm_s",
                      "bytes_per_step_accounted", "bytes_source", "window_steps", "window_s",
@@ -46,13 +47,19 @@ def _run(tmp_path: Path, *extra: str) -> dict:
 
 @pytest.mark.timeout(420)
 def test_e2e_writes_every_field_and_ddp_traffic_matches_a_ring_allreduce(tmp_path):
-    report, stdout = _run(tmp_path, "--bandwidths", "100",
+    report, stdout = _run(tmp_path, "--bandwidths", "100", "--latency-ms", "2",
                           "--algorithms", "ddp,gradient_allreduce,no_such_algorithm")
     runs = {r["algorithm"]: r for r in report["runs"]}
     assert list(runs) == ["ddp", "gradient_allreduce", "no_such_algorithm"]
     for r in report["runs"]:
         assert set(REQUIRED) <= set(r)
         assert r["bandwidth_mbit"] == (100 if report["testbed"]["used"] else None)
+        # Latency through the delay line, which kept up (no packet left > 1 ms late).
+        assert r["latency_ms"] == (2 if report["testbed"]["used"] else 0)
+        if report["testbed"]["used"]:
+            assert r["delay_line"]["packets"] > 0 and r["delay_line"]["kept_up"], r
+    if report["testbed"]["used"]:
+        assert "| 2 ms |" in markdown(report["runs"])
     # An algorithm bagua_algos does not register is reported, never silently skipped.
     assert runs["no_such_algorithm"]["status"] == "unavailable"
     assert runs["no_such_algorithm"]["samples_per_s"] is None
@@ -68,7 +75,8 @@ def test_e2e_writes_every_field_and_ddp_traffic_matches_a_ring_allreduce(tmp_pat
     grad_bytes = 4 * num_params(make_model("tiny"))
     assert ddp["bytes_per_step_accounted"] == pytest.approx(grad_bytes)
     if report["testbed"]["used"]:
-        # Measured on the host's interface: the payload plus TCP/IP headers and ACKs.
+        # Measured on the host's interface (the delay line's TUN device): the payload plus
+        # TCP/IP headers and ACKs.
         assert ddp["bytes_source"] == "wire"
         assert 0.95 * grad_bytes < ddp["bytes_per_step"] < 1.6 * grad_bytes
     ga = runs["gradient_allreduce"]
@@ -185,3 +193,16 @@ def test_e2e_four_hosts_shift_one_sends_one_model_per_step(tmp_path):
     assert runs["ddp"]["bytes_per_step_accounted"] == pytest.approx(1.5 * grad_bytes)
     assert runs["decentralized_shift_one"]["bytes_per_step_accounted"] == pytest.approx(
         grad_bytes, rel=0.02)
+
+
+def test_latency_arguments_make_one_cell_per_bandwidth_and_latency():
+    from e2e import parse_args
+
+    a = parse_args(["--quick", "--latencies", "0,5,50", "--bandwidths", "10,100"])
+    assert a.latencies == [0, 5, 50] and a.bandwidths == [10, 100]
+    assert parse_args(["--quick", "--latency-ms", "7.5"]).latencies == [7.5]
+    assert parse_args(["--quick"]).latencies == [0]
+    for bad in (["--latencies", "5,-1"], ["--latency-ms", "fast"],
+                ["--latency-ms", "5", "--latencies", "0,5"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--quick", *bad])

@@ -19,8 +19,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from testbed import (  # noqa: E402
     Testbed,
     flow_class,
+    latency_matrix,
     leftovers,
+    measure_rtt,
     measure_tcp,
+    regions,
     sweep,
 )
 from testbed import testbed_available as _available  # noqa: E402
@@ -35,7 +38,7 @@ def _name(prefix: str) -> str:
     return f"{prefix}{os.getpid() % 100000}"
 
 
-TBU, TBK, TBS, TBW, TBR = (_name(p) for p in ("tbu", "tbk", "tbs", "tbw", "tbr"))
+TBU, TBK, TBS, TBW, TBR, TBL = (_name(p) for p in ("tbu", "tbk", "tbs", "tbw", "tbr", "tbl"))
 needs_root = pytest.mark.skipif(not ROOT_MODE, reason=f"needs root network namespaces: {WHY}")
 
 
@@ -72,6 +75,9 @@ def test_flow_class_skips_the_parity_bit():
     ({"name": "Bad-Name"}, "name"),
     ({"name": "muchtoolongname"}, "name"),
     ({"mode": "magic"}, "mode"),
+    ({"latency_ms": -1}, "latency_ms"),
+    ({"latency_ms": "5ms"}, "latency_ms"),
+    ({"latency_ms": [[0, 5]]}, "latency_ms"),
 ])
 def test_bad_arguments_are_rejected_before_anything_is_made(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -297,3 +303,141 @@ def test_four_hosts_come_up_and_go_down_cleanly():
             assert f"{h.addr}/24" in a
     assert leftovers(name) == {"netns": [], "links": []}
     assert not (Path("/etc/netns") / f"{name}-h0").exists()
+
+
+def test_latency_matrix_and_regions():
+    assert latency_matrix(None, 3) is None and latency_matrix(0, 3) is None
+    assert latency_matrix(5, 2) == [[0.0, 5.0], [5.0, 0.0]]
+    assert latency_matrix([[9, 1], [2, 9]], 2) == [[0.0, 1.0], [2.0, 0.0]]  # no self-delay
+    assert regions([2, 1], 1, 40) == [[0, 1, 40], [1, 0, 40], [40, 40, 0]]
+
+
+def _run_line(line, socks, until: float) -> None:
+    import select
+    import time
+
+    fds = [s.fileno() for s in socks]
+    while time.monotonic() < until:
+        nxt = line.next_event()
+        timeout = 0.05 if nxt is None else max(0.0, min(0.05, nxt - time.monotonic()))
+        readable, _, _ = select.select(fds, [], [], timeout)
+        now = time.monotonic()
+        for fd in readable:
+            line.receive(fd, now)
+        now = time.monotonic()
+        line.release(now)
+        line.drain_due(now)
+
+
+@pytest.mark.timeout(60)
+def test_delay_line_holds_packets_for_the_pair_delay_and_paces_each_downlink():
+    """The line's logic on datagram socket pairs standing in for TUN devices (no root): a
+    packet leaves after its pair's delay, and two senders into one host share its downlink's
+    token bucket (burst, then the rate)."""
+    import socket
+    import threading
+    import time
+
+    from testbed.delay import DelayLine, burst_bytes
+
+    addrs = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) for _ in addrs]
+    line_ends, host_ends = [p[0] for p in pairs], [p[1] for p in pairs]
+    for s in line_ends:
+        s.setblocking(False)
+
+    def packet(dst: int, size: int) -> bytes:
+        return bytes([0x45]) + bytes(15) + socket.inet_aton(addrs[dst]) + bytes(size - 20)
+
+    line = DelayLine([s.fileno() for s in line_ends], addrs, regions([2, 1], 20, 60), None)
+    t0 = time.monotonic()
+    host_ends[0].send(packet(1, 100))
+    host_ends[0].send(packet(2, 100))
+    arrivals = {}
+    for _ in range(40):
+        _run_line(line, line_ends, time.monotonic() + 0.005)
+        for j in (1, 2):
+            host_ends[j].setblocking(False)
+            try:
+                host_ends[j].recv(65536)
+                arrivals[j] = time.monotonic() - t0
+            except BlockingIOError:
+                pass
+        if len(arrivals) == 2:
+            break
+    # Never early; late only by this test process's scheduling (the testbed's line runs
+    # real-time, checked with real round trips below), generous on a loaded machine.
+    assert 0.020 <= arrivals[1] < 0.070 and 0.060 <= arrivals[2] < 0.110, arrivals
+    # Downlink pacing: 8 Mbit/s = 1 MB/s.  Hosts 0 and 2 each send 11 packets of 5000 B to
+    # host 1 at once: the burst (13 packets) goes through, the other 45 kB at the rate.
+    line.set_delay(latency_matrix(1, 3))
+    line.set_rate(8)
+
+    def blast(k: int, seconds: float) -> tuple[int, float]:
+        def send():  # a datagram socket pair queues only a few packets: send beside the line
+            for _ in range(k):
+                host_ends[0].send(packet(1, 5000))
+                host_ends[2].send(packet(1, 5000))
+
+        host_ends[0].setblocking(True)
+        host_ends[2].setblocking(True)
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        start = time.monotonic()
+        got, last = 0, start
+        while time.monotonic() - start < seconds or (
+                time.monotonic() - start < 10 and (sender.is_alive() or line.next_event())):
+            _run_line(line, line_ends, time.monotonic() + 0.002)
+            host_ends[1].setblocking(False)
+            try:
+                while True:
+                    got += len(host_ends[1].recv(65536))
+                    last = time.monotonic()
+            except BlockingIOError:
+                pass
+        sender.join(timeout=5)
+        return got, last - start
+
+    got, took = blast(11, 0.3)
+    assert got == 110_000 and line.stats["dropped_queue"] == 0
+    paced = (110_000 - burst_bytes(8) // 5000 * 5000) / 1e6  # seconds at the rate
+    assert 0.75 * paced < took < 1.5 * paced + 0.05, (took, paced)
+    # Too much at once: the downlink holds 50 ms of traffic beyond its burst, drops the rest.
+    time.sleep(0.1)  # the bucket refills
+    got, took = blast(60, 0.5)
+    dropped = line.stats["dropped_queue"]
+    assert dropped > 0 and got == 600_000 - 5000 * dropped
+    assert got <= burst_bytes(8) + 1e6 * took + 5000  # never faster than the bucket allows
+    for s in line_ends + host_ends:
+        s.close()
+
+
+@pytest.mark.testbed
+@needs_root
+@pytest.mark.timeout(120)
+def test_latency_adds_the_asked_delay_and_bandwidth_shaping_still_holds():
+    """The delay line: a UDP round trip takes twice the one-way delay (within 20%) at 5 and
+    50 ms, per pair with a matrix, and tbf still caps a bulk TCP flow under the delay (both
+    directions); without latency, traffic is back on the veth links."""
+    with Testbed(n_hosts=3, bandwidth_mbit=None, name=TBL, latency_ms=5) as tb:
+        # The fastest round trip: the delay asked, without the probes' own scheduling delays
+        # (their processes run at normal priority on a loaded machine).
+        base = measure_rtt(tb, 0, 1, count=10)["min_ms"]
+        assert tb.data_ifname == "dl0"
+        assert 0.8 * 10 < base < 1.2 * 10
+        tb.set_latency(50)
+        assert 0.8 * 100 < measure_rtt(tb, 1, 0, count=6)["min_ms"] < 1.2 * 100
+        tb.set_latency(regions([2, 1], 2, 20))   # hosts 0, 1 in one site, host 2 in another
+        assert 0.8 * 4 < measure_rtt(tb, 0, 1, count=10)["min_ms"] < 1.2 * 4
+        assert 0.8 * 40 < measure_rtt(tb, 0, 2, count=6)["min_ms"] < 1.2 * 40
+        tb.set_latency(5)
+        tb.reshape(bandwidth_mbit=40)
+        up = measure_tcp(tb, 0, 1, seconds=2.0)["total_mbit"]
+        down = measure_tcp(tb, 2, 0, seconds=2.0)["total_mbit"]
+        assert 0.6 * 40 < up < 1.2 * 40 and 0.6 * 40 < down < 1.2 * 40
+        stats = tb.delay_stats()
+        assert stats["packets"] > 1000 and stats["late_over_5ms"] == 0, stats
+        tb.set_latency(0)
+        assert tb.data_ifname == "eth0" and tb.delay_stats() is None
+        assert measure_rtt(tb, 0, 1, count=10)["median_ms"] < 2.0
+    assert leftovers(TBL) == {"netns": [], "links": []}

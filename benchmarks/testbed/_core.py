@@ -5,7 +5,8 @@ Host ``i`` is the network namespace ``<name>-h<i>`` with interface ``eth0`` at
 the name).  Its veth peer ``<name>-v<i>`` sits on the bridge ``<name>-br`` in the root (or
 sandbox) network namespace, which has no address, so traffic only flows between the hosts.
 Both ends of every veth are shaped (:mod:`._shaping`): each host has a full-duplex link of
-``bandwidth_mbit`` to the switch.
+``bandwidth_mbit`` to the switch.  With ``latency_ms`` the hosts reach each other through the
+delay line instead (:mod:`._latency`): a TUN device ``dl0`` per host, shaped the same way.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from ._latency import DelayLineProcess, latency_matrix
 from ._shaping import shape_commands, validate_rates
 from ._system import Sandbox, detect_mode
+from .delay import IFNAME as DELAY_IFNAME
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _STATE_DIR = Path(os.environ.get("BAGUA_TESTBED_STATE", "/run/bagua-testbed"))
@@ -151,6 +154,8 @@ class Testbed:
 
     ``bandwidth_mbit`` caps each host's link (both directions; None: unshaped),
     ``per_flow_mbit`` caps each TCP flow (told apart by source port; None: no cap).
+    ``latency_ms`` is the one-way delay between two hosts (a number, or an n x n matrix, see
+    :func:`regions`; 0/None: none), added by a user-space delay line (:mod:`.delay`).
     ``mode`` is ``"auto"`` (root if possible, else ``unshare``), ``"root"`` or ``"unshare"``.
     With ``keep=True`` the hosts outlive this object (``python benchmarks/testbed up``).
     """
@@ -159,12 +164,13 @@ class Testbed:
 
     def __init__(self, n_hosts: int = 2, bandwidth_mbit: float | None = 100,
                  per_flow_mbit: float | None = None, name: str = "bt", *,
-                 mode: str = "auto", keep: bool = False):
+                 mode: str = "auto", keep: bool = False, latency_ms=None):
         _check_name(name)
         if isinstance(n_hosts, bool) or not isinstance(n_hosts, int) or not (
                 1 <= n_hosts <= _MAX_HOSTS):
             raise ValueError(f"n_hosts must be an int in [1, {_MAX_HOSTS}], got {n_hosts!r}")
         validate_rates(bandwidth_mbit, per_flow_mbit)
+        latency_matrix(latency_ms, n_hosts)  # validates before anything is made
         if mode not in ("auto", "root", "unshare"):
             raise ValueError(f"mode must be 'auto', 'root' or 'unshare', got {mode!r}")
         if mode == "auto":
@@ -187,7 +193,11 @@ class Testbed:
         self._procs: list[subprocess.Popen] = []
         self._old_handlers: dict[int, object] = {}
         self._sandbox: Sandbox | None = None
+        self._line: DelayLineProcess | None = None
+        self.latency_ms = None
         self._bring_up()
+        if latency_ms:
+            self.set_latency(latency_ms)
 
     # -- lifecycle --------------------------------------------------------------------------
     def _bring_up(self) -> None:
@@ -288,6 +298,45 @@ class Testbed:
             self._tc([], down)
         self.bandwidth_mbit = bandwidth_mbit
         self.per_flow_mbit = per_flow_mbit
+        if self._line is not None:
+            self._shape_line()
+
+    def _shape_line(self) -> None:
+        # Uplink: the kernel's tbf/htb on dl0's egress; downlink: the line's token bucket.
+        for h in self.hosts:
+            self._tc(["-n", h.netns], shape_commands(self.data_ifname, self.bandwidth_mbit,
+                                                     self.per_flow_mbit))
+        self._line.send(down_mbit=self.bandwidth_mbit)
+
+    def set_latency(self, latency_ms=None) -> None:
+        """Set the one-way delay between hosts (ms; a number or an n x n matrix; 0/None:
+        none).  Connections survive the change only while the delay line keeps running
+        (delay to delay); switching latency on or off reroutes the hosts' traffic."""
+        matrix = latency_matrix(latency_ms, self.n_hosts)
+        self._require_up()
+        if matrix is None:
+            if self._line is not None:
+                self._line.stop()
+                self._line = None
+        elif self._line is None:
+            self._line = DelayLineProcess(self._sandbox, self.hosts, matrix,
+                                          self.bandwidth_mbit)
+            self._shape_line()
+        else:
+            self._line.send(delay_ms=matrix)
+        self.latency_ms = None if matrix is None else latency_ms
+
+    @property
+    def data_ifname(self) -> str:
+        """The interface a host's traffic to other hosts leaves by: ``eth0``, or the delay
+        line's ``dl0`` while latency is on (count bytes there)."""
+        return DELAY_IFNAME if self._line is not None else IFNAME
+
+    def delay_stats(self) -> dict | None:
+        """The delay line's counters (None without latency): ``packets``, ``bytes``,
+        ``dropped_queue``, ``cpu_s``, ``late_max_ms`` (how late the latest packet left),
+        ``late_over_1ms`` (packets more than 1 ms late: the line falling behind)."""
+        return self._line.stats() if self._line is not None else None
 
     def _tc(self, ns: list[str], lines: list[str]) -> None:
         # The first line (deleting the old root qdisc) may fail harmlessly: run it alone.
@@ -306,6 +355,9 @@ class Testbed:
         for p in self._procs:
             if p.poll() is None:
                 p.kill()
+        if self._line is not None:
+            self._line.stop()
+            self._line = None
         for h in self.hosts:
             _kill_netns_processes(self._sandbox, h.netns)
         for p in self._procs:
@@ -382,4 +434,5 @@ class Testbed:
 
     def __repr__(self) -> str:
         return (f"Testbed(name={self.name!r}, mode={self.mode!r}, hosts={self.n_hosts}, "
-                f"bandwidth_mbit={self.bandwidth_mbit}, per_flow_mbit={self.per_flow_mbit})")
+                f"bandwidth_mbit={self.bandwidth_mbit}, per_flow_mbit={self.per_flow_mbit}, "
+                f"latency_ms={self.latency_ms})")

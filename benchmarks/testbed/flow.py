@@ -2,6 +2,8 @@
 
     python flow.py recv --port 5201 --flows 2            # prints JSON when done
     python flow.py send --host 198.18.7.1 --port 5201 --flows 2 --seconds 2 [--src-ports 40000,40002]
+    python flow.py echo --port 5202 --count 20                  # UDP echo, for round trips
+    python flow.py ping --host 198.18.7.1 --port 5202 --count 20   # prints JSON round trips
 
 The receiver accepts ``--flows`` connections and reports, per connection, the bytes received
 and the rate over the window in which all flows were running (from the last connection's
@@ -85,6 +87,31 @@ def _send(args) -> None:
         t.join()
 
 
+def _echo(args) -> None:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((args.bind, args.port))
+    print("listening", flush=True)
+    for _ in range(args.count):
+        data, peer = s.recvfrom(2048)
+        s.sendto(data, peer)
+
+
+def _ping(args) -> None:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(5.0)
+    rtts = []
+    for k in range(args.count):
+        t0 = time.monotonic()
+        s.sendto(k.to_bytes(4, "big"), (args.host, args.port))
+        while int.from_bytes(s.recv(2048)[:4], "big") != k:
+            pass
+        rtts.append((time.monotonic() - t0) * 1e3)
+        time.sleep(0.005)
+    rtts.sort()
+    print(json.dumps({"rtt_ms": rtts, "median_ms": rtts[len(rtts) // 2],
+                      "min_ms": rtts[0]}), flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -98,8 +125,14 @@ def main(argv=None) -> None:
     s.add_argument("--flows", type=int, default=1)
     s.add_argument("--seconds", type=float, default=2.0)
     s.add_argument("--src-ports", default="")
+    for name in ("echo", "ping"):
+        e = sub.add_parser(name)
+        e.add_argument("--bind", default="0.0.0.0")
+        e.add_argument("--host", default="")
+        e.add_argument("--port", type=int, default=5202)
+        e.add_argument("--count", type=int, default=20)
     args = ap.parse_args(argv)
-    (_recv if args.cmd == "recv" else _send)(args)
+    {"recv": _recv, "send": _send, "echo": _echo, "ping": _ping}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@
 
     bc.init_process_group()
     model = with_bagua(model, [optimizer], GradientAllReduce())
+    model = with_bagua(model, [optimizer], "auto")   # chosen from the measured network
 """
 
+from ._recommend import recommend
 from ._version import __version__
 from .algorithm import Algorithm, AlgorithmImpl
 from .algorithms import (
@@ -23,5 +25,5 @@ from .module import BaguaModule, with_bagua
 __all__ = [
     "Algorithm", "AlgorithmImpl", "AsyncModelAverage", "BaguaModule", "ByteGrad",
     "Decentralized", "GradientAllReduce", "LowPrecisionDecentralized", "QAdam",
-    "QAdamOptimizer", "__version__", "with_bagua",
+    "QAdamOptimizer", "__version__", "recommend", "with_bagua",
 ]

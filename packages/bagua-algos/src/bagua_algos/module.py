@@ -62,6 +62,9 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
         if not isinstance(opt, torch.optim.Optimizer):
             raise ValueError(f"optimizers[{i}] must be a torch.optim.Optimizer, got "
                              f"{type(opt).__name__}")
+    if isinstance(algorithm, str) and algorithm == "auto":  # measure the network, choose
+        from ._recommend import resolve_algorithm
+        algorithm = resolve_algorithm(algorithm, model, group)
     if not isinstance(algorithm, Algorithm):
         raise ValueError("algorithm must be a bagua_algos.Algorithm (e.g. GradientAllReduce() or "
                          f"Algorithm.init('gradient_allreduce')), got {type(algorithm).__name__}")

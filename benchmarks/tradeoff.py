@@ -1,0 +1,145 @@
+"""The trade-off map: which algorithm reaches DDP's loss first, per bandwidth x latency.
+
+    python benchmarks/tradeoff.py                       # 4 hosts, 10/100/1000 Mbit/s x 0/5/50 ms
+    python benchmarks/tradeoff.py --quick               # 2 hosts, 100 Mbit/s x 0/5 ms, tiny steps
+    python benchmarks/tradeoff.py --from-json out/e2e.json   # a map from an e2e.py run
+
+Runs benchmarks/e2e.py over the grid (every row: DDP, its hooks, each bagua algorithm and
+mode), then per cell names the winner by time to DDP's loss, its margin (the runner-up's time
+/ the winner's) and what the automatic choice (``bagua_algos.recommend``'s rule applied to the
+cell's network) picks and how far that is from the cell's best.  Writes a heatmap (PNG) and a
+JSON that keeps every cell with every algorithm's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _e2e_report import cell, cell_label, cells  # noqa: E402
+
+GRID = {"bandwidths": "10,100,1000", "latencies": "0,5,50", "hosts": "4"}
+QUICK = {"bandwidths": "100", "latencies": "0,5", "hosts": "2", "size": "tiny", "steps": "4",
+         "wall-seconds": "1", "algorithms": "ddp,gradient_allreduce,bytegrad,decentralized"}
+AUTO_ROW = {"decentralized": "decentralized_shift_one"}  # the rule's pick -> e2e's row
+
+
+def auto_pick(bw, lat, world: int, model_bytes: float, compute_s: float) -> str | None:
+    """The e2e row the automatic choice runs in a cell (None: bagua_algos not importable)."""
+    try:
+        from bagua_algos._recommend import choose
+    except ImportError:
+        return None
+    name = choose(bw or 100_000, lat, world, model_bytes, compute_s=compute_s)[0]
+    return AUTO_ROW.get(name, name)
+
+
+def build_map(report: dict) -> list[dict]:
+    """One entry per cell of an e2e report: every algorithm's time, the winner and margins."""
+    out = []
+    params = report["model"]["params"]
+    for c in cells(report["runs"]):
+        runs = [r for r in report["runs"] if cell(r) == c]
+        times = {r["algorithm"]: r.get("time_to_ddp_loss_s") for r in runs}
+        reached = sorted((t, a) for a, t in times.items() if t is not None)
+        ddp = next((r for r in runs if r["algorithm"] == "ddp" and r["status"] == "ok"), None)
+        entry = {"bandwidth_mbit": c[0], "latency_ms": c[1], "label": cell_label(c),
+                 "times_s": times, "winner": None, "margin": None, "winner_vs_ddp": None,
+                 "auto": None, "auto_vs_best": None,
+                 "delay_line": next((r.get("delay_line") for r in runs), None)}
+        if reached:
+            entry["winner"] = reached[0][1]
+            entry["margin"] = reached[1][0] / reached[0][0] if len(reached) > 1 else None
+            if times.get("ddp"):
+                entry["winner_vs_ddp"] = times["ddp"] / reached[0][0]
+        if ddp is not None:
+            pick = auto_pick(c[0], c[1], ddp["world_size"], 4 * params, ddp["compute_s"])
+            entry["auto"] = pick
+            t = times.get(pick)
+            entry["auto_vs_best"] = t / reached[0][0] if t and reached else None
+        out.append(entry)
+    return out
+
+
+def heatmap(entries: list[dict], path: Path, title: str = "") -> Path | None:
+    """Latency (rows) x bandwidth (columns); colour = winner, text = winner, margin, auto."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bws = sorted({e["bandwidth_mbit"] for e in entries}, key=lambda b: b or 1e9)
+    lats = sorted({e["latency_ms"] for e in entries})
+    names = sorted({e["winner"] for e in entries if e["winner"]})
+    colours = {n: f"C{k}" for k, n in enumerate(names)}
+    fig, ax = plt.subplots(figsize=(2.6 * len(bws) + 1.5, 1.5 * len(lats) + 1.2))
+    for e in entries:
+        x, y = bws.index(e["bandwidth_mbit"]), lats.index(e["latency_ms"])
+        ax.add_patch(plt.Rectangle((x - 0.5, y - 0.5), 1, 1, alpha=0.45,
+                                   color=colours.get(e["winner"], "0.85")))
+        text = e["winner"] or "none reached\nDDP's loss"
+        if e["margin"]:
+            text += f"\nby {e['margin']:.2f}x"
+        if e["winner_vs_ddp"]:
+            text += f", {e['winner_vs_ddp']:.2f}x DDP"
+        if e["auto"]:
+            vs = e["auto_vs_best"]
+            text += f"\nauto: {e['auto']}" + (f" ({vs:.2f}x best)" if vs else " (never)")
+        if e["delay_line"] and not e["delay_line"].get("kept_up", True):
+            text += "\n(delay line fell behind)"
+        ax.text(x, y, text, ha="center", va="center", fontsize=7)
+    ax.set_xlim(-0.5, len(bws) - 0.5)
+    ax.set_ylim(len(lats) - 0.5, -0.5)
+    ax.set_xticks(range(len(bws)), [cell_label((b, 0)) for b in bws])
+    ax.set_yticks(range(len(lats)), [f"{lat:g} ms" for lat in lats])
+    ax.set_xlabel("link bandwidth per host")
+    ax.set_ylabel("one-way latency")
+    ax.set_title(title or "first to DDP's loss (margin: runner-up's time / winner's)",
+                 fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help=f"a tiny grid: {QUICK}")
+    ap.add_argument("--from-json", type=Path, help="map an existing e2e.py JSON; run nothing")
+    ap.add_argument("--json", type=Path, default=Path("out/tradeoff/tradeoff.json"))
+    ap.add_argument("--plot", type=Path, default=Path("out/tradeoff/tradeoff.png"))
+    args, e2e_args = ap.parse_known_args(argv)
+    if args.from_json:
+        report = json.loads(args.from_json.read_text())
+    else:
+        import e2e
+
+        preset = {**GRID, **(QUICK if args.quick else {})}
+        given = {a.split("=")[0].lstrip("-") for a in e2e_args if a.startswith("--")}
+        extra = [x for k, v in preset.items() if k not in given for x in (f"--{k}", v)]
+        e2e_json = args.json.with_name(args.json.stem + "-e2e.json")
+        e2e.main([*extra, *e2e_args, "--json", str(e2e_json),
+                  "--plot", str(args.plot.with_name(args.plot.stem + "-e2e.png"))])
+        report = json.loads(e2e_json.read_text())
+    entries = build_map(report)
+    png = heatmap(entries, args.plot)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"config": report.get("config"), "cells": entries,
+                                     "plot": str(png) if png else None}, indent=1))
+    for e in entries:
+        print(f"{e['label']:>20}: winner {e['winner']} (margin {e['margin']}), "
+              f"auto {e['auto']} ({e['auto_vs_best']}x best)")
+    print(f"json: {args.json}; plot: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

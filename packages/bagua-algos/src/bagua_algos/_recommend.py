@@ -1,0 +1,238 @@
+"""Choosing the algorithm from the network: measure bandwidth and latency, apply the rule.
+
+    from bagua_algos import recommend, with_bagua
+    rec = recommend(model)                  # collective: every rank, same group
+    model = with_bagua(model, [opt], rec.algorithm)
+    # or in one go (an explicit algorithm, or BAGUA_ALGORITHM=<name>, overrules it):
+    model = with_bagua(model, [opt], "auto")
+
+The measurement (:func:`measure_network`) is a ring shift between ranks on different nodes
+(rank r sends to r + local_size): first tiny messages (one-way latency = the time of one
+shift), then growing probes (bandwidth = bytes / (time - latency)) until a probe takes long
+enough to be read or the time budget is spent.  Every rank times its own exchanges; the times
+are reduced with MAX, so every rank holds the same numbers, and rank 0's choice is broadcast.
+
+The rule (:func:`choose`) is a cost model of one training step per algorithm, checked against
+the trade-off map (benchmarks/tradeoff.py, docs/tradeoff.md):
+
+    comm(a)  = rounds(a) * latency + wire_bytes(a) / bandwidth [+ codec(a) * model bytes]
+    score(a) = (compute + comm(a)) * steps_factor(a)
+
+with ``rounds``/``wire_bytes`` per rank for a ring allreduce (2(n-1) rounds, 2(n-1)/n of the
+model), ByteGrad (the same, 4x fewer bytes), Decentralized shift_one (one exchange of the
+model with one peer) and LowPrecisionDecentralized (one exchange, compressed, with two ring
+neighbours); ``steps_factor`` is how many more steps an algorithm needs to reach the same loss
+(measured on the map's workload).  The lowest score wins; near-ties (within 5%, or 50% when
+the computation time is not given) go to the exact algorithm.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import bagua_comm as bc
+
+log = logging.getLogger("bagua_algos.recommend")
+
+#: Extra steps each algorithm needs to reach the loss full-precision DDP reaches (x), from the
+#: trade-off map's runs: compression and gossip cost a little convergence.
+STEPS_FACTOR = {"gradient_allreduce": 1.0, "bytegrad": 1.05, "decentralized": 1.25,
+                "low_precision_decentralized": 1.4}
+#: Scores within this ratio of the exact algorithm's count as a tie (it wins); wider when the
+#: step's computation is unknown (the steps factors then only weigh the communication).
+TIE, TIE_UNKNOWN_COMPUTE = 1.05, 1.5
+_UINT8 = 4.0  # MinMaxUInt8 sends a quarter of float32's bytes
+#: Seconds per model byte to compress and decompress once (MinMaxUInt8 on one CPU core runs
+#: at about 1 GB/s each way); the compressed algorithms pay it twice per step.
+CODEC_S_PER_BYTE = 1e-9
+
+
+@dataclass
+class NetworkMeasurement:
+    """What :func:`measure_network` found (the same on every rank)."""
+
+    bandwidth_mbit: float
+    latency_ms: float  # one way, between two ranks on different nodes
+    world_size: int
+    nodes: int
+    elapsed_s: float
+    probes: list = field(default_factory=list)  # (bytes, seconds) of each bandwidth probe
+
+
+@dataclass
+class Recommendation:
+    """:func:`recommend`'s answer: the algorithm to use, and why."""
+
+    name: str
+    kwargs: dict
+    algorithm: object
+    measurement: NetworkMeasurement | None
+    reason: str
+    scores: dict
+
+
+def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_bytes: float, *,
+           compute_s: float = 0.0, nodes: int | None = None) -> tuple[str, dict, str, dict]:
+    """The rule: ``(name, kwargs, reason, scores)`` for a network and a model.
+
+    ``bandwidth_mbit``/``latency_ms`` (one way) between nodes, ``model_bytes`` the gradient
+    bytes per step, ``compute_s`` a step's computation (0: unknown, communication only).
+    Raises ``ValueError`` naming the argument for a non-positive bandwidth, a negative latency
+    or compute time, or a world size below 1.
+    """
+    for name, v, ok in (("bandwidth_mbit", bandwidth_mbit, bandwidth_mbit > 0),
+                        ("latency_ms", latency_ms, latency_ms >= 0),
+                        ("model_bytes", model_bytes, model_bytes >= 0),
+                        ("compute_s", compute_s, compute_s >= 0),
+                        ("world_size", world_size, world_size >= 1)):
+        if not ok:
+            raise ValueError(f"{name} must be {'>= 1' if name == 'world_size' else '>= 0'}"
+                             f"{' and > 0' if name == 'bandwidth_mbit' else ''}, got {v!r}")
+    nodes = world_size if nodes is None else nodes
+    hier = nodes < world_size
+    n = max(nodes, 1)
+    if n == 1:  # one node: the shaped link is not used, nothing to trade
+        return ("gradient_allreduce", {"hierarchical": False},
+                "one node: gradient_allreduce (exact)", {"gradient_allreduce": compute_s})
+    lat, bps = latency_ms / 1e3, bandwidth_mbit * 1e6 / 8
+    ring = 2 * (n - 1) / n * model_bytes
+    codec = 2 * CODEC_S_PER_BYTE * model_bytes
+    comm = {
+        "gradient_allreduce": 2 * (n - 1) * lat + ring / bps,
+        "bytegrad": 2 * (n - 1) * lat + ring / _UINT8 / bps + codec,
+        "decentralized": lat + model_bytes / bps,
+        "low_precision_decentralized": lat + 2 * model_bytes / _UINT8 / bps + codec,
+    }
+    scores = {a: (compute_s + c) * STEPS_FACTOR[a] for a, c in comm.items()}
+    best = min(scores, key=scores.get)
+    if scores["gradient_allreduce"] <= (TIE if compute_s else TIE_UNKNOWN_COMPUTE) * scores[best]:
+        best = "gradient_allreduce"
+    kwargs = {"hierarchical": hier}
+    if best == "decentralized":
+        kwargs["peer_selection_mode"] = "shift_one"
+    why = {"gradient_allreduce": "the network is fast enough for the exact allreduce",
+           "bytegrad": "bandwidth-bound: 8-bit compressed allreduce sends 4x fewer bytes",
+           "decentralized": "latency-bound: one exchange with one peer per step instead of "
+                            f"{2 * (n - 1)} rounds",
+           "low_precision_decentralized": "latency- and bandwidth-bound: one compressed "
+                                          "exchange with two neighbours"}[best]
+    est = ", ".join(f"{a} {1e3 * s:.0f}" for a, s in sorted(scores.items(), key=lambda x: x[1]))
+    return best, kwargs, f"{why} (est. ms/step x steps factor: {est})", scores
+
+
+def _shift(buf: torch.Tensor, out: torch.Tensor, dst: int, src: int, group) -> None:
+    s = bc.send(buf, dst, group=group, async_op=True)
+    r = bc.recv(out, src, group=group, async_op=True)
+    s.wait()
+    r.wait()
+
+
+def _max(values: list[float], group) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    bc.allreduce_inplace(t, op=bc.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def measure_network(group=None, *, time_limit_s: float = 3.0) -> NetworkMeasurement:
+    """Bandwidth and one-way latency between ranks on different nodes (collective).
+
+    Takes at most about ``time_limit_s`` (a probe is only started when the previous one says
+    it fits); every rank returns the same numbers.
+    """
+    if not time_limit_s > 0:
+        raise ValueError(f"time_limit_s must be > 0, got {time_limit_s!r}")
+    group = bc.get_default_group() if group is None else group
+    rank, world = group.rank, group.size
+    local = max(1, bc.get_local_size()) if world % max(1, bc.get_local_size()) == 0 else 1
+    nodes = max(1, world // local)
+    stride = local if nodes > 1 else 1
+    dst, src = (rank + stride) % world, (rank - stride) % world
+    t0 = time.monotonic()
+    if world == 1:
+        return NetworkMeasurement(float("inf"), 0.0, 1, 1, 0.0)
+    tiny, tiny_out = torch.zeros(1), torch.zeros(1)
+    for _ in range(2):  # connections up, first-use costs paid
+        _shift(tiny, tiny_out, dst, src, group)
+    rounds = []
+    for _ in range(5):
+        t = time.monotonic()
+        _shift(tiny, tiny_out, dst, src, group)
+        rounds.append(time.monotonic() - t)
+    latency = _max([sorted(rounds)[len(rounds) // 2]], group)[0]
+    probes, size, spent = [], 64 * 1024, _max([time.monotonic() - t0], group)[0]
+    last = 0.0
+    while size <= 64 * 1024 * 1024:
+        # The next probe takes about (size / previous size) x the previous one, twice over.
+        if probes and spent + 2 * 4.5 * last > time_limit_s:
+            break
+        buf = torch.zeros(size // 4)
+        out = torch.empty_like(buf)
+        best = float("inf")
+        for _ in range(2):  # the faster of two: the first may pay TCP's window growth
+            t = time.monotonic()
+            _shift(buf, out, dst, src, group)
+            best = min(best, time.monotonic() - t)
+        best, spent = _max([best, time.monotonic() - t0], group)
+        probes.append((size, best))
+        last = best
+        if best > 0.25 + latency:  # long enough to be read; the next would cost 4x
+            break
+        size *= 4
+    size, t = probes[-1]
+    bandwidth = size * 8 / max(t - latency, 1e-6) / 1e6
+    return NetworkMeasurement(bandwidth, latency * 1e3, world, nodes,
+                              _max([time.monotonic() - t0], group)[0], probes)
+
+
+def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None = None,
+              group=None, compute_s: float = 0.0, time_limit_s: float = 3.0,
+              measurement: NetworkMeasurement | None = None) -> Recommendation:
+    """Measure the network (unless ``measurement`` is given) and pick the algorithm for it.
+
+    Collective: every rank of ``group`` calls it; every rank gets the same answer (rank 0's,
+    broadcast).  Logs one line (logger ``bagua_algos.recommend``, and stderr on rank 0) with
+    what it measured and why it chose.  ``BAGUA_ALGORITHM=<registry name>`` overrules it: no
+    measurement, that algorithm.
+    """
+    from .algorithm import Algorithm
+
+    if model is None and model_bytes is None:
+        raise ValueError("recommend needs model (a torch.nn.Module) or model_bytes")
+    if model_bytes is None:
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
+                          if p.requires_grad)
+    forced = os.environ.get("BAGUA_ALGORITHM", "").strip()
+    if forced and forced != "auto":
+        algo = Algorithm.init(forced)
+        reason = f"BAGUA_ALGORITHM={forced} overrules the automatic choice"
+        return Recommendation(forced, {}, algo, None, reason, {})
+    group = bc.get_default_group() if group is None else group
+    m = measurement or measure_network(group, time_limit_s=time_limit_s)
+    name, kwargs, why, scores = choose(m.bandwidth_mbit, m.latency_ms, m.world_size,
+                                       model_bytes, compute_s=compute_s, nodes=m.nodes)
+    name, kwargs = bc.broadcast_object((name, kwargs), src=0, group=group)
+    line = (f"bagua auto: {name}{kwargs} -- measured {m.bandwidth_mbit:.0f} Mbit/s, "
+            f"{m.latency_ms:.2f} ms one way between {m.nodes} nodes of {m.world_size} ranks "
+            f"in {m.elapsed_s:.2f}s; {why}")
+    log.info(line)
+    if group.rank == 0:
+        print(line, flush=True)
+    return Recommendation(name, kwargs, Algorithm.init(name, **kwargs), m, line, scores)
+
+
+def resolve_algorithm(spec: str, model, group=None):
+    """``with_bagua(model, opts, "auto")``: :func:`recommend`'s algorithm (collective).
+    ``BAGUA_ALGORITHM`` overrules it; an explicit Algorithm never reaches here."""
+    if spec != "auto":
+        raise ValueError(f"algorithm as a string must be 'auto', got {spec!r}")
+    if not bc.is_initialized() and torch.distributed.is_initialized():
+        bc.init_process_group()  # adopt torch's default process group, as with_bagua does
+    if not bc.is_initialized():
+        raise RuntimeError("bagua_comm is not initialised: call bagua_comm.init_process_group() "
+                           "before with_bagua(..., 'auto')")
+    return recommend(model, group=group).algorithm

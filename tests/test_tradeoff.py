@@ -1,0 +1,54 @@
+"""benchmarks/tradeoff.py: the map built from an e2e report (synthetic runs; no network)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from tradeoff import build_map, main  # noqa: E402
+
+
+def _run(bw, lat, algo, t, compute=0.05):
+    return {"bandwidth_mbit": bw, "latency_ms": lat, "algorithm": algo, "status": "ok",
+            "time_to_ddp_loss_s": t, "world_size": 4, "compute_s": compute,
+            "delay_line": {"kept_up": True} if lat else None}
+
+
+REPORT = {"model": {"params": 3_300_000}, "config": {}, "runs": [
+    _run(100, 0, "ddp", 10.0), _run(100, 0, "bytegrad", 5.0),
+    _run(100, 0, "decentralized_shift_one", 8.0),
+    _run(100, 50, "ddp", 30.0), _run(100, 50, "bytegrad", 25.0),
+    _run(100, 50, "decentralized_shift_one", 12.0),
+    _run(10, 50, "ddp", 60.0), _run(10, 50, "bytegrad", None),
+    _run(10, 50, "decentralized_shift_one", None),
+]}
+
+
+def test_each_cell_names_its_winner_margin_and_the_automatic_choice(tmp_path):
+    cells = {(e["bandwidth_mbit"], e["latency_ms"]): e for e in build_map(REPORT)}
+    assert set(cells) == {(100, 0), (100, 50), (10, 50)}
+    a, b, c = cells[(100, 0)], cells[(100, 50)], cells[(10, 50)]
+    assert a["winner"] == "bytegrad" and a["margin"] == pytest.approx(8 / 5)
+    assert a["winner_vs_ddp"] == pytest.approx(2.0)
+    assert b["winner"] == "decentralized_shift_one" and b["margin"] == pytest.approx(25 / 12)
+    assert c["winner"] == "ddp" and c["margin"] is None  # nobody else reached DDP's loss
+    assert b["times_s"] == {"ddp": 30.0, "bytegrad": 25.0, "decentralized_shift_one": 12.0}
+    # The automatic choice, scored by the time of the row it would run.
+    assert a["auto"] in ("bytegrad", "gradient_allreduce", "decentralized_shift_one",
+                         "low_precision_decentralized")
+    if b["auto"] in b["times_s"]:
+        assert b["auto_vs_best"] == pytest.approx(b["times_s"][b["auto"]] / 12.0)
+    src = tmp_path / "e2e.json"
+    src.write_text(json.dumps(REPORT))
+    assert main(["--from-json", str(src), "--json", str(tmp_path / "t.json"),
+                 "--plot", str(tmp_path / "t.png")]) == 0
+    out = json.loads((tmp_path / "t.json").read_text())
+    assert len(out["cells"]) == 3
+    if out["plot"]:
+        assert (tmp_path / "t.png").stat().st_size > 5000
