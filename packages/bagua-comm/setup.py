@@ -9,11 +9,18 @@ from setuptools import Extension, setup
 # optimise, but never contract a*b+c into an FMA or reassociate float arithmetic.
 KERNEL_FLAGS = [] if sys.platform == "win32" else ["-O3", "-ffp-contract=off", "-fno-trapping-math"]
 
-extensions = [
-    Extension("bagua_comm._nccl", ["src/bagua_comm/_nccl.pyx"], libraries=["dl"]),
-    Extension("bagua_comm._minmax", ["src/bagua_comm/_minmax.pyx"],
-              extra_compile_args=KERNEL_FLAGS),
-]
 
-setup(ext_modules=cythonize(extensions, language_level=3,
-                            compiler_directives={"boundscheck": False, "wraparound": False}))
+
+def extensions():
+    """The extensions, cythonized (paths relative to this directory).  benchmarks/gpu's
+    build_inplace.py builds them without the project metadata, for a setuptools too old
+    for the PEP 639 ``license`` string in pyproject.toml (it needs setuptools >= 77)."""
+    return cythonize([
+        Extension("bagua_comm._nccl", ["src/bagua_comm/_nccl.pyx"], libraries=["dl"]),
+        Extension("bagua_comm._minmax", ["src/bagua_comm/_minmax.pyx"],
+                  extra_compile_args=KERNEL_FLAGS),
+    ], language_level=3, compiler_directives={"boundscheck": False, "wraparound": False})
+
+
+if __name__ == "__main__":     # also how setuptools.build_meta runs this file
+    setup(ext_modules=extensions())

@@ -166,9 +166,11 @@ def test_shift_one_pairing_rotates_halves():
         Decentralized(communication_interval=0)
 
 
-def test_peer_exchanges_post_every_receive_before_any_send(monkeypatch):
-    """On gloo a send waits for its peer's "ready to receive" notice; posted after the peer's
-    own large send, that notice queues behind it and the two directions take turns."""
+def test_peer_exchanges_are_one_grouped_call_receives_first(monkeypatch):
+    """Each exchange is one batch_isend_irecv (NCCL needs send and recv grouped, or two
+    ranks that both receive first deadlock; tests/test_fake_nccl.py shows it), receives
+    listed first: on gloo a send waits for its peer's "ready to receive" notice, which,
+    posted after the peer's own large send, queues behind it."""
     from types import SimpleNamespace
 
     import bagua_algos.algorithms.decentralized as dec
@@ -176,20 +178,15 @@ def test_peer_exchanges_post_every_receive_before_any_send(monkeypatch):
 
     calls = []
 
-    class Done:
-        def wait(self):
-            pass
+    def batch(ops, *, group=None, async_op=False):
+        calls.extend((op.op, op.peer) for op in ops)
+        calls.append("end")
 
-    def fake(kind):
-        def op(tensor, peer, *, group=None, async_op=False):
-            calls.append((kind, peer))
-            return Done()
-        return op
-
-    monkeypatch.setattr(dec.bc, "send", fake("send"))
-    monkeypatch.setattr(dec.bc, "recv", fake("recv"))
+    monkeypatch.setattr(dec.bc, "batch_isend_irecv", batch)
+    monkeypatch.setattr(dec.bc, "send", None)      # never called on their own
+    monkeypatch.setattr(dec.bc, "recv", None)
     dec.exchange_shift_one(torch.ones(4), SimpleNamespace(rank=0, size=4), 1)
-    assert calls == [("recv", 3), ("send", 3)]
+    assert calls == [("recv", 3), ("send", 3), "end"]
 
     class Codec:  # identity "compression": only the order of the exchange matters here
         def payload_numel(self, numel):
@@ -211,9 +208,9 @@ def test_peer_exchanges_post_every_receive_before_any_send(monkeypatch):
                                 from_right=[None], compressor=Codec())
         impl = SimpleNamespace(ring=SimpleNamespace(rank=1, size=3), state=state)
         getattr(lpd.LowPrecisionDecentralizedImpl, method)(impl, *args)
-        kinds = [k for k, _ in calls]
-        assert sorted(calls) == [("recv", 0), ("recv", 2), ("send", 0), ("send", 2)], method
-        assert kinds == ["recv", "recv", "send", "send"], method
+        assert calls[-1] == "end" and calls.count("end") == 1, method
+        assert sorted(calls[:-1]) == [("recv", 0), ("recv", 2), ("send", 0), ("send", 2)]
+        assert [k for k, _ in calls[:-1]] == ["recv", "recv", "send", "send"], method
 
 
 class _FreshTensors(torch.overrides.TorchFunctionMode):

@@ -3,22 +3,28 @@
  * without a GPU.  Built by the tests with `cc -shared -fPIC` (see _fake_nccl.py).
  *   -DFAKE_OLD   an NCCL 2.3.7: no ncclCommAbort, ncclCommGetAsyncError, ncclSend/Recv,
  *                ncclGetLastError (they arrived in 2.4, 2.7, 2.13).
- * Test controls (called through ctypes): fakeSetAsyncError, fakeAborts, fakeSetSleepUs. */
+ * Test controls (called through ctypes): fakeSetAsyncError, fakeAborts, fakeSetSleepUs,
+ * fakeSetAbortBlocks (ncclCommAbort then blocks until it is cleared), fakeSetInitHangs (a
+ * non-blocking ncclCommInitRankConfig then stays ncclInProgress: a peer that never joins). */
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 typedef int ncclResult_t;
-typedef struct { int nranks, rank, aborted; } fakeComm;
+typedef struct { int nranks, rank, aborted, initializing; } fakeComm;
+typedef struct { size_t size; unsigned int magic, version; int blocking; } ncclConfig_t;
 typedef fakeComm *ncclComm_t;
 typedef struct { char internal[128]; } ncclUniqueId;
 
 static int async_error = 0, aborts = 0, counter = 0;
 static unsigned sleep_us = 0;
+static int abort_blocks = 0, init_hangs = 0;
 
 void fakeSetAsyncError(int status) { __atomic_store_n(&async_error, status, __ATOMIC_SEQ_CST); }
 int fakeAborts(void) { return __atomic_load_n(&aborts, __ATOMIC_SEQ_CST); }
 void fakeSetSleepUs(unsigned us) { sleep_us = us; }
+void fakeSetAbortBlocks(int on) { __atomic_store_n(&abort_blocks, on, __ATOMIC_SEQ_CST); }
+void fakeSetInitHangs(int on) { __atomic_store_n(&init_hangs, on, __ATOMIC_SEQ_CST); }
 
 #ifdef FAKE_OLD
 ncclResult_t ncclGetVersion(int *v) { *v = 2307; return 0; }
@@ -60,13 +66,24 @@ ncclResult_t ncclGroupEnd(void) { return 0; }
 #ifndef FAKE_OLD
 ncclResult_t ncclCommAbort(ncclComm_t c) {
   __atomic_add_fetch(&aborts, 1, __ATOMIC_SEQ_CST);
+  while (__atomic_load_n(&abort_blocks, __ATOMIC_SEQ_CST)) usleep(1000);
   free(c);
   return 0;
 }
 ncclResult_t ncclCommGetAsyncError(ncclComm_t c, ncclResult_t *r) {
-  (void)c;
+  if (c->initializing) { *r = 7; return 0; }   /* ncclInProgress */
   *r = __atomic_load_n(&async_error, __ATOMIC_SEQ_CST);
   return 0;
+}
+ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank,
+                                    ncclConfig_t *config) {
+  if (config->magic != 0xcafebeef || config->size < sizeof *config) return 4;
+  ncclResult_t r = ncclCommInitRank(comm, nranks, id, rank);
+  if (config->blocking == 0 && __atomic_load_n(&init_hangs, __ATOMIC_SEQ_CST)) {
+    (*comm)->initializing = 1;
+    return 7;
+  }
+  return r;
 }
 const char *ncclGetLastError(ncclComm_t c) { (void)c; return "fake detail"; }
 #endif

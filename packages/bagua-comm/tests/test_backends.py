@@ -22,7 +22,7 @@ def _x(rank, device, dtype=torch.float32):
 
 def _contract(device):
     g = bc.get_default_group()
-    be = g._by_cuda[device == "cuda"]
+    be = g.backend_for(torch.empty(0, device=device))
     dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else "cpu"
     n, r = g.size, g.rank
     xs = [_x(i, dev) for i in range(n)]
@@ -132,7 +132,7 @@ def test_every_group_has_its_backends():
 
 def _backend_kinds():
     g = bc.new_group([1, 0])
-    return (g._gloo.name, g._by_cuda[0] is g._gloo, g.ranks == [0, 1])
+    return (g._gloo.name, g.backend_for(torch.empty(0)) is g._gloo, g.ranks == [0, 1])
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ import torch
 
 import bagua_comm as bc
 from bagua_comm.compression import MinMaxUInt8
-from bagua_comm.testing import run_ranks
+from bagua_comm.testing import cuda_sync_error, run_ranks
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32,
@@ -86,7 +86,9 @@ def test_cupy_kernels_are_byte_identical_to_cython(dtype):
     g = torch.Generator().manual_seed(5)
     cases = [(torch.randn(1 << 16, generator=g) * 5, 16), (torch.randn(999, generator=g), 3),
              (torch.arange(-300, 300) / 2, 4), (torch.tensor([0.0, -0.0, 2.0, 2.0]), 2),
-             (torch.randn(1 << 20, generator=g) + 100, 7 * 8)]
+             (torch.randn(1 << 20, generator=g) + 100, 7 * 8),
+             # float32 subnormals: CuPy compiles with -ftz=true, the CPU kernels keep them
+             (torch.tensor([1e-40, -3e-39, 0.0, 2e-45, 1e-38, -1e-41, 5e-39, 0.0]), 2)]
     for values in ({5: "nan"}, {0: "inf", 700: "-inf"}, {1: "nan", 2: "inf"}):  # non-finite
         x = torch.randn(1024, generator=g)
         for i, v in values.items():
@@ -105,3 +107,30 @@ def test_cupy_kernels_are_byte_identical_to_cython(dtype):
         wide = c.decompress(cpu.cuda(), torch.empty(n, device="cuda"), dtype=dtype)
         assert torch.allclose(wide.cpu(), c.decompress(cpu, torch.empty(n), dtype=dtype),
                               rtol=0, atol=0, equal_nan=True)
+
+
+def _one_rank_no_host_sync():
+    """Compression (with error feedback), compressed_allreduce and the primitives on CUDA
+    under torch.cuda.set_sync_debug_mode("error"): any host synchronisation raises."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(4096, device=dev)
+    x[7] = float("nan")
+    y = torch.empty_like(x)
+    c = MinMaxUInt8(8, error_feedback=True)
+    torch.cuda.synchronize()
+    with cuda_sync_error():
+        for _ in range(2):
+            payload = c.compress(x, key="k")
+            c.decompress(payload, y)
+            bc.compressed_allreduce(x, y, compressor=MinMaxUInt8(8, error_feedback=True))
+            bc.allreduce_inplace(y)
+            bc.broadcast(y, 0)
+            bc.allgather(x, torch.empty_like(x))
+    torch.cuda.synchronize()
+    return bool(torch.isnan(y).any()), c.residual("k").view(8, -1)[0].abs().sum().item()
+
+
+def test_cuda_paths_never_synchronise_the_host():
+    nan_seen, residual_chunk0 = run_ranks(_one_rank_no_host_sync, 1, backend="nccl",
+                                          timeout=300)[0]
+    assert nan_seen and residual_chunk0 == 0      # the NaN chunk's residual was reset

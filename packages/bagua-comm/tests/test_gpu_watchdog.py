@@ -38,7 +38,7 @@ def held_back_allreduce(store, seconds):
     x = torch.ones(1 << 20, device="cuda")
     bc.allreduce_inplace(x)                        # makes the communicator and its record
     torch.cuda.synchronize()
-    comm = g.nccl_comm()
+    comm = g._nccl.comm()
     assert comm.async_error() == 0 and comm.watch is not None and comm.watch.error is None
     cycles = spin_cycles(seconds)
     with torch.cuda.stream(torch.cuda.ExternalStream(g._nccl.stream().ptr)):
@@ -102,7 +102,7 @@ def _healthy():
     for _ in range(50):
         bc.allreduce_inplace(x)
     torch.cuda.synchronize()
-    comm = get_default_group().nccl_comm()
+    comm = get_default_group()._nccl.comm()
     time.sleep(0.5)                                # a few polls
     w = comm.watch
     return comm.async_error(), w.error is None, len(w.pending), x.tolist()

@@ -124,7 +124,7 @@ def fake_cuda(monkeypatch):
                         lambda: types.SimpleNamespace(cuda_stream=4242))
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
-    monkeypatch.setattr(backend, "_grouped", lambda comm, fn: fn())
+    monkeypatch.setattr(backend.NcclBackend, "_grouped", lambda self, comm, fn: fn())
     for k in CREATED:
         CREATED[k] = 0
     yield

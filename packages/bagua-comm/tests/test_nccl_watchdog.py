@@ -170,10 +170,15 @@ w = dog.watch(comm, "ProcessGroup(ranks=[0])", 7)
 assert comm.watch is w
 time.sleep(0.2)
 assert w.error is None and comm.alive
+if sys.argv[2] == "abort-blocks":    # ncclCommAbort never returns
+    fake.fakeSetAbortBlocks(1)
 fake.fakeSetAsyncError(6)
 t0 = time.monotonic()
 while w.error is None and time.monotonic() - t0 < 10:
     time.sleep(0.01)
+print("error recorded", w.error is not None, flush=True)
+while (fake.fakeAborts() == 0 or comm.alive) and time.monotonic() - t0 < 2:
+    time.sleep(0.01)                 # the abort runs on a thread of its own
 print("aborts", fake.fakeAborts(), "alive", comm.alive, flush=True)
 if sys.argv[2] == "raise":
     try:
@@ -201,6 +206,45 @@ def test_binding_async_error_aborts_and_the_rank_raises(tmp_path):
     assert "RuntimeError: bagua_comm: the NCCL communicator of ProcessGroup(ranks=[0]) was " \
            "aborted: NCCL reported an asynchronous error (status 6: fake remote error) " \
            "(timeout 7 s)" in out.stderr
+
+
+@needs_cc
+def test_an_abort_that_blocks_still_records_the_error_and_ends_the_rank(tmp_path):
+    out = _real(build(tmp_path), 0.3, "abort-blocks")
+    assert out.returncode == 1, (out.stdout, out.stderr[-2000:])
+    assert "error recorded True" in out.stdout
+    assert "aborts 1" in out.stdout          # called (and never returned)
+    assert "exiting with status 1" in out.stderr
+
+
+_INIT = r"""
+import ctypes, os, time
+import bagua_comm._nccl_loader as L
+n = L.load()
+fake = ctypes.CDLL(os.environ["BAGUA_NCCL_LIBRARY"])
+fake.fakeSetInitHangs(1)             # the peers never join: ncclInProgress for ever
+t0 = time.monotonic()
+try:
+    n.NcclCommunicator(2, n.get_unique_id(), 0, timeout=0.5)
+except n.NcclError as e:
+    print("raised after %.1f s: %s" % (time.monotonic() - t0, e), flush=True)
+print("aborts", fake.fakeAborts(), flush=True)
+fake.fakeSetInitHangs(0)
+comm = n.NcclCommunicator(1, n.get_unique_id(), 0, timeout=5)
+comm.allreduce(0, 0, 0, 7, 0, 0)
+print("nonblocking", comm.nonblocking, "alive", comm.alive, flush=True)
+"""
+
+
+@needs_cc
+def test_communicator_creation_is_bounded_by_the_timeout(tmp_path):
+    out = subprocess.run([sys.executable, "-c", _INIT], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "BAGUA_NCCL_LIBRARY": build(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("raised after"))
+    assert 0.4 < float(line.split()[2]) < 5, line
+    assert "creating the communicator did not complete within 0.5 s" in line
+    assert "aborts 1" in out.stdout and "nonblocking True alive True" in out.stdout
 
 
 @needs_cc
@@ -236,7 +280,7 @@ def test_without_async_error_polling_old_nccl_still_times_out(tmp_path):
                          timeout=60, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("False |") and "has not completed" in out.stdout
-    assert "ncclCommAbort is missing from libnccl 2.3.7" in out.stdout   # the abort note
+    assert "ncclCommAbort is missing from libnccl 2.3.7" in out.stderr   # logged by the abort
 
 
 def test_the_watchdog_thread_never_keeps_a_process_alive():

@@ -12,6 +12,7 @@ from ._version import __version__
 from .bucket import Bucket
 from .ops import ReduceOp
 from .primitives import (
+    P2POp,
     allgather,
     allgather_inplace,
     allreduce,
@@ -20,6 +21,7 @@ from .primitives import (
     alltoall_inplace,
     alltoall_v,
     barrier,
+    batch_isend_irecv,
     broadcast,
     broadcast_object,
     gather,
@@ -50,9 +52,9 @@ from .process_group import (
 from .work import Work
 
 __all__ = [
-    "Bucket", "NcclError", "ProcessGroup", "ReduceOp", "Work", "__version__",
+    "Bucket", "NcclError", "P2POp", "ProcessGroup", "ReduceOp", "Work", "__version__",
     "allgather", "allgather_inplace", "allreduce", "allreduce_inplace", "alltoall",
-    "alltoall_inplace", "alltoall_v", "barrier", "broadcast", "broadcast_object", "bucket",
+    "alltoall_inplace", "alltoall_v", "barrier", "batch_isend_irecv", "broadcast", "broadcast_object", "bucket",
     "compressed_allreduce", "compression", "destroy_process_group", "gather", "gather_inplace",
     "get_backend", "get_default_group", "get_local_rank", "get_local_size", "get_node_rank",
     "get_rank", "get_world_size", "init_process_group", "is_initialized", "nccl_available",

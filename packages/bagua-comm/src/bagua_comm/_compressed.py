@@ -78,7 +78,7 @@ def compressed_allreduce(send, recv, op=ReduceOp.AVG, compressor=None, *, key="a
     sent = (compressor.payload_numel(seg * g.size, chunks=chunks) * (g.size - 1) // g.size
             + compressor.payload_numel(seg, chunks=k) * (g.size - 1))
     traffic.record("compressed_allreduce", sent)
-    be = g._by_cuda[send.is_cuda]
+    be = g.backend_for(send)
     if send.requires_grad:
         send = send.detach()
     if recv.requires_grad:

@@ -133,7 +133,9 @@ def _module(device: int):
     import cupy
 
     with cupy.cuda.Device(device):
-        return cupy.RawModule(code=_SOURCE, options=("--fmad=false", "-std=c++11"))
+        # --fmad=false: no product fused into an add (the CPU kernels' rounding).  No -std:
+        # CuPy 14 picks C++17 (NVRTC 13's default dialect too); the source is plain C++11.
+        return cupy.RawModule(code=_SOURCE, options=("--fmad=false",))
 
 
 def _stream():

@@ -14,6 +14,17 @@ ctypedef ncclResult_t (*GetVersion_t)(int*) noexcept nogil
 ctypedef ncclResult_t (*GetUniqueId_t)(ncclUniqueId*) noexcept nogil
 ctypedef const char* (*GetErrorString_t)(ncclResult_t) noexcept nogil
 ctypedef const char* (*GetLastError_t)(ncclComm_t) noexcept nogil
+# ncclConfig_t as NCCL 2.14 defined it (size, magic, version, blocking).  NCCL copies ``size``
+# bytes and gives every field newer than ``version`` its default, so this prefix is valid for
+# every later release.
+ctypedef struct ncclConfig_v21400:
+    size_t size
+    unsigned int magic
+    unsigned int version
+    int blocking
+
+ctypedef ncclResult_t (*CommInitRankConfig_t)(ncclComm_t*, int, ncclUniqueId, int,
+                                              ncclConfig_v21400*) noexcept nogil
 ctypedef ncclResult_t (*CommInitRank_t)(ncclComm_t*, int, ncclUniqueId, int) noexcept nogil
 ctypedef ncclResult_t (*CommOp_t)(ncclComm_t) noexcept nogil
 ctypedef ncclResult_t (*CommGetAsyncError_t)(ncclComm_t, ncclResult_t*) noexcept nogil

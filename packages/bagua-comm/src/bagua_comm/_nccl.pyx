@@ -8,6 +8,7 @@ table when it loads (no per-call dlsym), and every NCCL call runs without the GI
 
 
 import threading
+import time
 
 from libc.string cimport memcpy
 
@@ -19,6 +20,9 @@ cdef extern from "<dlfcn.h>" nogil:
     int RTLD_NOW
     int RTLD_GLOBAL
 
+cdef enum:
+    IN_PROGRESS = 7     # ncclInProgress: a non-blocking communicator is still busy
+
 # The symbol table: every entry point we call, resolved once by load_library() (under
 # _load_lock) and never looked up again.  An entry an older libnccl lacks stays NULL and the
 # function that needs it raises NcclMissingSymbol when called.
@@ -28,6 +32,7 @@ cdef GetUniqueId_t _GetUniqueId = NULL
 cdef GetErrorString_t _GetErrorString = NULL
 cdef GetLastError_t _GetLastError = NULL
 cdef CommInitRank_t _CommInitRank = NULL
+cdef CommInitRankConfig_t _CommInitRankConfig = NULL
 cdef CommOp_t _CommDestroy = NULL
 cdef CommOp_t _CommAbort = NULL
 cdef CommGetAsyncError_t _CommGetAsyncError = NULL
@@ -52,7 +57,7 @@ _symbols = {}
 REQUIRED = ("ncclGetVersion", "ncclGetErrorString", "ncclGetUniqueId")
 # The rest, with the NCCL release that introduced each (for the missing-symbol message).
 OPTIONAL = {
-    "ncclGetLastError": "2.13", "ncclCommInitRank": "2.0", "ncclCommDestroy": "2.0",
+    "ncclGetLastError": "2.13", "ncclCommInitRank": "2.0", "ncclCommInitRankConfig": "2.14", "ncclCommDestroy": "2.0",
     "ncclCommAbort": "2.4", "ncclCommGetAsyncError": "2.4", "ncclCommCount": "2.0",
     "ncclCommUserRank": "2.0", "ncclAllReduce": "2.0", "ncclReduce": "2.0",
     "ncclBroadcast": "2.0", "ncclAllGather": "2.0", "ncclReduceScatter": "2.0",
@@ -134,6 +139,7 @@ cdef void* _resolve(void* h, str name):
 
 cdef int _fill_table(void* h) except -1:
     global _GetVersion, _GetUniqueId, _GetErrorString, _GetLastError, _CommInitRank
+    global _CommInitRankConfig
     global _CommDestroy, _CommAbort, _CommGetAsyncError, _CommCount, _CommUserRank
     global _AllReduce, _Reduce, _Broadcast, _AllGather, _ReduceScatter, _Send, _Recv
     global _GroupStart, _GroupEnd
@@ -142,6 +148,7 @@ cdef int _fill_table(void* h) except -1:
     _GetUniqueId = <GetUniqueId_t>_resolve(h, "ncclGetUniqueId")
     _GetLastError = <GetLastError_t>_resolve(h, "ncclGetLastError")
     _CommInitRank = <CommInitRank_t>_resolve(h, "ncclCommInitRank")
+    _CommInitRankConfig = <CommInitRankConfig_t>_resolve(h, "ncclCommInitRankConfig")
     _CommDestroy = <CommOp_t>_resolve(h, "ncclCommDestroy")
     _CommAbort = <CommOp_t>_resolve(h, "ncclCommAbort")
     _CommGetAsyncError = <CommGetAsyncError_t>_resolve(h, "ncclCommGetAsyncError")
@@ -248,14 +255,19 @@ def group_start():
     _check(st)
 
 
-def group_end():
+def group_end(comm=None):
+    """ncclGroupEnd; with a non-blocking ``comm``, also waits until the group is enqueued."""
     _require()
     if _GroupEnd == NULL:
         _missing("ncclGroupEnd")
     cdef ncclResult_t st
     with nogil:
         st = _GroupEnd()
+    if st == IN_PROGRESS and comm is not None:
+        comm._ready()
+        return
     _check(st)
+
 
 
 cdef class NcclCommunicator:
@@ -271,6 +283,8 @@ cdef class NcclCommunicator:
     cdef ncclComm_t _comm
     cdef readonly int nranks
     cdef readonly int rank
+    cdef readonly bint nonblocking
+    cdef readonly double timeout
     cdef object _life
     cdef public object watch  # the watchdog's record of this communicator, if any
 
@@ -281,7 +295,14 @@ cdef class NcclCommunicator:
         self._life = threading.Lock()
         self.watch = None
 
-    def __init__(self, int nranks, bytes unique_id, int rank):
+    def __init__(self, int nranks, bytes unique_id, int rank, timeout=None):
+        """Join the communicator of ``unique_id`` as ``rank`` of ``nranks``.
+
+        With ``timeout`` (seconds) and an NCCL that has ``ncclCommInitRankConfig`` (2.14+),
+        the communicator is created non-blocking and polled: a peer that never joins makes
+        this raise :class:`NcclError` after ``timeout`` (the half-made communicator is
+        aborted) instead of hanging.  Its later calls wait out ``ncclInProgress`` the same
+        way.  Otherwise ``ncclCommInitRank`` blocks until every rank has joined."""
         _require()
         if len(unique_id) != 128:
             raise ValueError(f"unique_id must be 128 bytes, got {len(unique_id)}")
@@ -293,18 +314,65 @@ cdef class NcclCommunicator:
         memcpy(uid.internal, <const char*>unique_id, 128)
         cdef ncclComm_t comm = NULL
         cdef ncclResult_t st
-        with nogil:
-            st = _CommInitRank(&comm, nranks, uid, rank)
-        _check(st)
-        self._comm = comm
+        cdef ncclConfig_v21400 config
         self.nranks = nranks
         self.rank = rank
+        self.timeout = -1.0 if timeout is None else float(timeout)
+        self.nonblocking = (timeout is not None and _CommInitRankConfig != NULL
+                            and _CommGetAsyncError != NULL and _CommAbort != NULL)
+        if not self.nonblocking:
+            with nogil:
+                st = _CommInitRank(&comm, nranks, uid, rank)
+            _check(st)
+            self._comm = comm
+            return
+        config.size = sizeof(ncclConfig_v21400)
+        config.magic = 0xcafebeef
+        config.version = 21400            # NCCL_VERSION(2, 14, 0): the fields restated here
+        config.blocking = 0
+        with nogil:
+            st = _CommInitRankConfig(&comm, nranks, uid, rank, &config)
+        if st != 0 and st != IN_PROGRESS:
+            if comm != NULL:
+                with nogil:
+                    _CommAbort(comm)
+            _check(st)
+        self._comm = comm
+        self._ready("creating the communicator")
 
     def __dealloc__(self):
         if self._comm != NULL and _CommDestroy != NULL:
             with nogil:
                 _CommDestroy(self._comm)
         self._comm = NULL
+
+    def _ready(self, what="an NCCL call"):
+        """Wait while a non-blocking communicator reports ``ncclInProgress``, at most
+        ``timeout`` seconds; then abort it and raise."""
+        cdef ncclResult_t st, res = IN_PROGRESS
+        cdef ncclComm_t comm = self._comm
+        deadline = time.monotonic() + self.timeout
+        while True:
+            with nogil:
+                st = _CommGetAsyncError(comm, &res)
+            _check(st, comm)
+            if res != IN_PROGRESS:
+                break
+            if time.monotonic() > deadline:
+                try:
+                    self.abort()
+                finally:
+                    raise NcclError(IN_PROGRESS, f"{what} did not complete within "
+                                    f"{self.timeout:g} s (a peer rank never joined or died); "
+                                    "the communicator was aborted")
+            time.sleep(0.0005)
+        _check(res, comm)
+
+    cdef int _done(self, ncclResult_t st, ncclComm_t comm) except -1:
+        if st == IN_PROGRESS and self.nonblocking:
+            self._ready()
+            return 0
+        return _check(st, comm)
 
     @property
     def ptr(self):
@@ -402,7 +470,7 @@ cdef class NcclCommunicator:
         with nogil:
             st = _AllReduce(<const void*>sendbuf, <void*>recvbuf, count, dtype, op, comm,
                             <cudaStream_t>stream)
-        _check(st, comm)
+        self._done(st, comm)
 
     def reduce(self, size_t sendbuf, size_t recvbuf, size_t count, int dtype, int op, int root,
                size_t stream):
@@ -413,7 +481,7 @@ cdef class NcclCommunicator:
         with nogil:
             st = _Reduce(<const void*>sendbuf, <void*>recvbuf, count, dtype, op, root, comm,
                          <cudaStream_t>stream)
-        _check(st, comm)
+        self._done(st, comm)
 
     def broadcast(self, size_t sendbuf, size_t recvbuf, size_t count, int dtype, int root,
                   size_t stream):
@@ -424,7 +492,7 @@ cdef class NcclCommunicator:
         with nogil:
             st = _Broadcast(<const void*>sendbuf, <void*>recvbuf, count, dtype, root, comm,
                             <cudaStream_t>stream)
-        _check(st, comm)
+        self._done(st, comm)
 
     def allgather(self, size_t sendbuf, size_t recvbuf, size_t count, int dtype,
                   size_t stream):
@@ -436,7 +504,7 @@ cdef class NcclCommunicator:
         with nogil:
             st = _AllGather(<const void*>sendbuf, <void*>recvbuf, count, dtype, comm,
                             <cudaStream_t>stream)
-        _check(st, comm)
+        self._done(st, comm)
 
     def reduce_scatter(self, size_t sendbuf, size_t recvbuf, size_t count, int dtype, int op,
                        size_t stream):
@@ -448,7 +516,7 @@ cdef class NcclCommunicator:
         with nogil:
             st = _ReduceScatter(<const void*>sendbuf, <void*>recvbuf, count, dtype, op, comm,
                                 <cudaStream_t>stream)
-        _check(st, comm)
+        self._done(st, comm)
 
     def send(self, size_t buf, size_t count, int dtype, int peer, size_t stream):
         if _Send == NULL:
@@ -457,7 +525,7 @@ cdef class NcclCommunicator:
         cdef ncclResult_t st
         with nogil:
             st = _Send(<void*>buf, count, dtype, peer, comm, <cudaStream_t>stream)
-        _check(st, comm)
+        self._done(st, comm)
 
     def recv(self, size_t buf, size_t count, int dtype, int peer, size_t stream):
         if _Recv == NULL:
@@ -466,4 +534,4 @@ cdef class NcclCommunicator:
         cdef ncclResult_t st
         with nogil:
             st = _Recv(<void*>buf, count, dtype, peer, comm, <cudaStream_t>stream)
-        _check(st, comm)
+        self._done(st, comm)

@@ -5,8 +5,9 @@ host only notices when it synchronises (and then hangs).  One daemon thread per 
 (started at the first watched communicator; it never keeps the process alive) polls every
 watched communicator: ``ncclCommGetAsyncError`` and the age of its oldest unfinished
 operation.  On an asynchronous error, or an operation older than the group's ``timeout``, it
-aborts the communicator (``ncclCommAbort``, which also ends its in-flight kernels) and records
-a ``RuntimeError`` naming the group and the timeout.  The rank's next call on that group, and
+records a ``RuntimeError`` naming the group and the timeout, then aborts the communicator
+(``ncclCommAbort``, which also ends its in-flight kernels) on a thread of its own, so that an
+abort that blocks delays neither the error nor the exit below.  The rank's next call on that group, and
 ``wait()`` on its handles, raise that error.  If the error is still unseen ``exit_grace``
 seconds later (the main thread is blocked, say in a CUDA synchronisation), the watchdog prints
 it and ends the process with exit code 1, so that torchrun restarts the job.
@@ -31,6 +32,7 @@ log = logging.getLogger("bagua_comm.nccl")
 
 DEFAULT_INTERVAL = float(os.environ.get("BAGUA_NCCL_WATCHDOG_INTERVAL", "0.1"))
 DEFAULT_EXIT_GRACE = float(os.environ.get("BAGUA_NCCL_WATCHDOG_GRACE", "10"))
+IN_PROGRESS = 7   # ncclInProgress: a non-blocking communicator still enqueuing, not an error
 
 
 class Watched:
@@ -163,7 +165,7 @@ class Watchdog:
                 if not getattr(w.comm, "alive", True):
                     w.close()
                 return None
-            if status:
+            if status and status != IN_PROGRESS:
                 return f"NCCL reported an asynchronous error ({_describe(status)})"
         if w.pending and w.device is not None:
             self._set_device(w.device)
@@ -177,19 +179,25 @@ class Watchdog:
         return None
 
     def _fail(self, w: Watched, reason: str, now: float) -> None:
-        abort_note = ""
-        try:
-            w.comm.abort()
-        except Exception as err:  # report, the error below is what matters
-            abort_note = f" (aborting the communicator failed too: {err})"
+        """Record the error and arm the exit first, then abort the communicator on a thread
+        of its own: ncclCommAbort can block (a hung kernel, a dead network), and the rank
+        must still raise, or exit after ``exit_grace``, whatever it does."""
         w.error = RuntimeError(
             f"bagua_comm: the NCCL communicator of {w.name} was aborted: {reason} "
-            f"(timeout {w.timeout:g} s){abort_note}. A peer rank probably died or stopped "
+            f"(timeout {w.timeout:g} s). A peer rank probably died or stopped "
             "answering; this group can no longer be used. Restart the job (torchrun restarts "
             "it when this process exits non-zero) and resume from the last checkpoint.")
         w.failed_at = now
         w.pending.clear()
         log.error("%s", w.error)
+        threading.Thread(target=_abort, args=(w,), name="bagua-nccl-abort", daemon=True).start()
+
+
+def _abort(w: Watched) -> None:
+    try:
+        w.comm.abort()
+    except Exception as err:  # the recorded error is what matters; say why abort failed
+        log.error("bagua_comm: aborting the NCCL communicator of %s failed too: %s", w.name, err)
 
 
 def _cuda_set_device(device: int) -> None:

@@ -58,7 +58,7 @@ def tensor(name: str, t, g: ProcessGroup) -> None:
     if t.dtype not in _NCCL_DTYPES:
         raise ValueError(f"{name} has dtype {t.dtype}, which NCCL does not carry; use one of "
                          "float32, float16, bfloat16, float64, int8, uint8, int32, int64")
-    dev = g.cuda_device()
+    dev = g.backend_for(t).device
     if t.device.index != dev:
         raise ValueError(f"{name} is on {t.device}, but this rank's NCCL communicator uses "
                          f"cuda:{dev}")

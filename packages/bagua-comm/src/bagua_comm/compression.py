@@ -203,9 +203,10 @@ class MinMaxUInt8(Compressor):
         payload = _compress(corrected.to(tensor.dtype), chunks, out)
         _decompress(payload, res, chunks, tensor.dtype)          # res holds the decoding
         torch.sub(corrected, res, out=res)                       # ... and now the residual
+        # a NaN/inf chunk must not poison later steps through its residual (a masked fill:
+        # no host synchronisation on CUDA, unlike testing the mask first)
         bad = nonfinite_chunks(payload, chunks, tensor.dtype)
-        if bad.any():  # a NaN/inf chunk must not poison later steps through its residual
-            res.view(chunks, -1)[bad] = 0
+        res.view(chunks, -1).masked_fill_(bad.unsqueeze(1), 0)
         self._residuals[key] = res
         return payload
 
@@ -283,9 +284,8 @@ def header_bytes(mins: torch.Tensor, maxs: torch.Tensor, dtype: torch.dtype) -> 
     pair = torch.stack([mins, maxs], dim=1)
     bits_dtype, canonical = _CANONICAL_NAN[dtype]
     bits = pair.to(dtype).view(bits_dtype)
-    bits = torch.where(pair.isnan(), torch.tensor(canonical, dtype=bits_dtype,
-                                                  device=bits.device), bits)
-    return bits.view(torch.uint8)
+    # a Python scalar fill: no tensor made from host values (a blocking copy on CUDA)
+    return bits.masked_fill(pair.isnan(), canonical).view(torch.uint8)
 
 
 def nonfinite_chunks(payload: torch.Tensor, chunks: int, dtype: torch.dtype) -> torch.Tensor:

@@ -10,6 +10,7 @@ otherwise it returns once the result is in place.
 from __future__ import annotations
 
 import pickle
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,7 +36,7 @@ def send(tensor, dst, *, group=None, async_op=False):
     V.tensor("tensor", tensor, g)
     dst = V.rank("dst", dst, g, not_self=True)
     traffic.record("send", _nbytes(tensor))
-    return g._by_cuda[tensor.is_cuda].send(tensor, dst, async_op)
+    return g.backend_for(tensor).send(tensor, dst, async_op)
 
 
 def recv(tensor, src, *, group=None, async_op=False):
@@ -44,7 +45,50 @@ def recv(tensor, src, *, group=None, async_op=False):
     V.tensor("tensor", tensor, g)
     src = V.rank("src", src, g, not_self=True)
     tensor = _data(tensor)
-    return g._by_cuda[tensor.is_cuda].recv(tensor, src, async_op)
+    return g.backend_for(tensor).recv(tensor, src, async_op)
+
+
+class P2POp(NamedTuple):
+    """One half of a point-to-point exchange for :func:`batch_isend_irecv`: ``op`` is
+    ``"send"`` or ``"recv"`` (or the functions :func:`send` / :func:`recv`), ``peer`` a
+    group rank."""
+
+    op: Any
+    tensor: Any
+    peer: int
+
+
+def batch_isend_irecv(ops, *, group=None, async_op=False):
+    """Every send and receive of ``ops`` (a list of :class:`P2POp`) as one operation.
+
+    Use it whenever a rank both sends and receives in one exchange: on the ``nccl`` backend
+    NCCL's send and recv block the GPU until the peer's matching call runs, so a ``recv``
+    and a ``send`` issued as two calls deadlock two ranks that each received first; here
+    they are grouped (``ncclGroupStart``/``ncclGroupEnd``).  On gloo every receive is
+    posted before the first send.  Messages between two ranks match in the order they are
+    listed.  Returns one work handle with ``async_op=True`` (unlike torch's list), else
+    None once every receive is complete.
+    """
+    g = V.group(group)
+    if isinstance(ops, P2POp) or not isinstance(ops, (list, tuple)) or not ops:
+        raise ValueError("ops must be a non-empty list of bagua_comm.P2POp")
+    sends, recvs = [], []
+    for i, p in enumerate(ops):
+        if not isinstance(p, P2POp):
+            raise ValueError(f"ops[{i}] must be a bagua_comm.P2POp, got {type(p).__name__}")
+        kind = p.op if isinstance(p.op, str) else getattr(p.op, "__name__", None)
+        if p.op not in ("send", "recv", send, recv):
+            kind = None
+        if kind is None:
+            raise ValueError(f"ops[{i}].op must be 'send' or 'recv', got {p.op!r}")
+        V.tensor(f"ops[{i}].tensor", p.tensor, g)
+        if p.tensor.device != ops[0].tensor.device:
+            raise ValueError(f"every tensor of ops must be on one device: ops[0] is on "
+                             f"{ops[0].tensor.device}, ops[{i}] on {p.tensor.device}")
+        peer = V.rank(f"ops[{i}].peer", p.peer, g, not_self=True)
+        (sends if kind == "send" else recvs).append((peer, _data(p.tensor)))
+    traffic.record("send", sum(_nbytes(t) for _, t in sends))
+    return g.backend_for(ops[0].tensor).send_recv(sends, recvs, async_op)
 
 
 # -- broadcast -----------------------------------------------------------------------------
@@ -56,7 +100,7 @@ def broadcast(tensor, src=0, *, group=None, async_op=False):
     tensor = _data(tensor)
     if g.rank == src:
         traffic.record("broadcast", _nbytes(tensor))
-    return g._by_cuda[tensor.is_cuda].broadcast(tensor, src, async_op)
+    return g.backend_for(tensor).broadcast(tensor, src, async_op)
 
 
 def broadcast_object(obj, src=0, *, group=None, async_op=False):
@@ -108,7 +152,7 @@ def reduce_inplace(tensor, dst, op=ReduceOp.SUM, *, group=None, async_op=False):
 
 def _reduce_inplace(tensor, dst, op, g, async_op):
     traffic.record("reduce", _nbytes(tensor) * (g.size - 1) / g.size)
-    return g._by_cuda[tensor.is_cuda].reduce(tensor, dst, op, async_op)
+    return g.backend_for(tensor).reduce(tensor, dst, op, async_op)
 
 
 def allreduce(send, recv, op=ReduceOp.SUM, *, group=None, async_op=False):
@@ -118,7 +162,7 @@ def allreduce(send, recv, op=ReduceOp.SUM, *, group=None, async_op=False):
     op = V.op(op, send.dtype)
     recv = _data(recv)
     traffic.record("allreduce", 2 * _nbytes(send) * (g.size - 1) / g.size)
-    return g._by_cuda[send.is_cuda].allreduce(send, recv, op, async_op)
+    return g.backend_for(send).allreduce(send, recv, op, async_op)
 
 
 def allreduce_inplace(tensor, op=ReduceOp.SUM, *, group=None, async_op=False):
@@ -130,7 +174,7 @@ def allreduce_inplace(tensor, op=ReduceOp.SUM, *, group=None, async_op=False):
         tensor = tensor.detach()
     n = g.size
     traffic.record("allreduce", 2 * tensor.numel() * tensor.element_size() * (n - 1) / n)
-    return g._by_cuda[tensor.is_cuda].allreduce(tensor, tensor, op, async_op)
+    return g.backend_for(tensor).allreduce(tensor, tensor, op, async_op)
 
 
 # -- gather / scatter ----------------------------------------------------------------------
@@ -140,7 +184,7 @@ def allgather(send, recv, *, group=None, async_op=False):
     V.pair(send, recv, g, ratio_send=g.size)
     recv = _data(recv)
     traffic.record("allgather", _nbytes(send) * (g.size - 1))
-    return g._by_cuda[send.is_cuda].allgather(send, recv, async_op)
+    return g.backend_for(send).allgather(send, recv, async_op)
 
 
 def allgather_inplace(tensor, *, group=None, async_op=False):
@@ -165,7 +209,7 @@ def gather(send, recv, dst, *, group=None, async_op=False):
     recv = _data(recv)
     if g.rank != dst:
         traffic.record("gather", _nbytes(send))
-    return g._by_cuda[send.is_cuda].gather(send, recv, dst, async_op)
+    return g.backend_for(send).gather(send, recv, dst, async_op)
 
 
 def gather_inplace(tensor, count, dst, *, group=None, async_op=False):
@@ -191,7 +235,7 @@ def scatter(send, recv, src, *, group=None, async_op=False):
     recv = _data(recv)
     if g.rank == src:
         traffic.record("scatter", _nbytes(send) * (g.size - 1) / g.size)
-    return g._by_cuda[recv.is_cuda].scatter(send, recv, src, async_op)
+    return g.backend_for(recv).scatter(send, recv, src, async_op)
 
 
 def scatter_inplace(tensor, count, src, *, group=None, async_op=False):
@@ -213,7 +257,7 @@ def reduce_scatter(send, recv, op=ReduceOp.SUM, *, group=None, async_op=False):
     op = V.op(op, send.dtype)
     recv = _data(recv)
     traffic.record("reduce_scatter", _nbytes(send) * (g.size - 1) / g.size)
-    return g._by_cuda[send.is_cuda].reduce_scatter(send, recv, op, async_op)
+    return g.backend_for(send).reduce_scatter(send, recv, op, async_op)
 
 
 def reduce_scatter_inplace(tensor, op=ReduceOp.SUM, *, group=None, async_op=False):
@@ -233,7 +277,7 @@ def alltoall(send, recv, *, group=None, async_op=False):
     V.divisible("send", send, g)
     recv = _data(recv)
     traffic.record("alltoall", _nbytes(send) * (g.size - 1) / g.size)
-    return g._by_cuda[send.is_cuda].alltoall(send, recv, async_op)
+    return g.backend_for(send).alltoall(send, recv, async_op)
 
 
 def alltoall_inplace(tensor, *, group=None, async_op=False):
@@ -262,7 +306,7 @@ def alltoall_v(send, send_counts, send_displs, recv, recv_counts, recv_displs, *
     V.self_count(send_counts, recv_counts, g)
     recv = _data(recv)
     traffic.record("alltoall_v", (sum(send_counts) - send_counts[g.rank]) * send.element_size())
-    return g._by_cuda[send.is_cuda].alltoall_v(send, send_counts, send_displs, recv, recv_counts,
+    return g.backend_for(send).alltoall_v(send, send_counts, send_displs, recv, recv_counts,
                                                recv_displs, async_op)
 
 

@@ -60,8 +60,11 @@ class ProcessGroup:
             from ._backends.nccl import NcclBackend
 
             self._nccl = NcclBackend(self)
-        # the backend of a tensor: _by_cuda[tensor.is_cuda]
-        self._by_cuda = (self._gloo, self._nccl or self._gloo)
+
+    def backend_for(self, tensor):
+        """The backend that carries ``tensor``: NCCL for a CUDA tensor on the ``nccl``
+        backend, gloo otherwise (arguments are validated before this is asked)."""
+        return self._nccl if tensor.is_cuda and self._nccl is not None else self._gloo
 
     # -- membership -------------------------------------------------------------------------
     @property
@@ -106,19 +109,6 @@ class ProcessGroup:
     def num_nodes(self) -> int:
         return len(self._nodes())
 
-    # -- NCCL ---------------------------------------------------------------------------------
-    def cuda_device(self) -> int:
-        """The CUDA device of this rank's NCCL communicator (``nccl`` backend)."""
-        if _state.cuda_device is None:
-            raise RuntimeError("this process group uses the gloo backend: no CUDA device")
-        return _state.cuda_device
-
-    def nccl_comm(self):
-        """This group's NCCL communicator (owned by its nccl backend; made at first use)."""
-        if self._nccl is None:
-            raise RuntimeError("this process group uses the gloo backend: no NCCL communicator")
-        return self._nccl.comm()
-
     # -- lifetime -----------------------------------------------------------------------------
     def destroy(self) -> None:
         """Release this group (its worker thread, NCCL communicator and torch groups); any
@@ -137,8 +127,9 @@ class ProcessGroup:
 
     def _release(self, abort: bool = False) -> None:
         self._destroyed = True
-        for be in {id(b): b for b in self._by_cuda}.values():
-            be.close(abort)
+        for be in (self._gloo, self._nccl):
+            if be is not None:
+                be.close(abort)
 
     def __repr__(self) -> str:
         return f"ProcessGroup(ranks={self.ranks}, backend={self.backend!r})"

@@ -136,3 +136,79 @@ def _collect(procs, conns, world_size, timeout):
 def _died(rank, proc):
     proc.join(timeout=5)
     return f"rank {rank} died without reporting (exit code {proc.exitcode}); all ranks were killed"
+
+
+class HostSyncError(AssertionError):
+    """Code under :func:`no_host_sync` called an operation that synchronises with a GPU."""
+
+
+# aten operations that make the host wait for the GPU when their tensors are on CUDA: reading
+# a value (item, bool(), printing) and data-dependent output sizes (nonzero, boolean masks).
+_SYNCING = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "nonzero_static",
+            "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
+            "unique_dim", "repeat_interleave"}
+# torch functions that make a tensor from host values: with ``device=`` (the CUDA path's way
+# of writing it) a blocking host-to-device copy.
+_FROM_HOST = ("tensor", "as_tensor", "scalar_tensor")
+# Tensor methods that bring a CUDA tensor's values to the host.
+_TO_HOST = {"tolist", "numpy", "cpu", "item", "__bool__", "__int__", "__float__", "__index__"}
+
+
+def no_host_sync():
+    """A context in which every operation that would synchronise the host with the GPU on
+    CUDA tensors raises :class:`HostSyncError`, on CPU tensors too: the CPU-side check of
+    code that must not synchronise (``torch.cuda.set_sync_debug_mode("error")`` checks the
+    same on a GPU).  Caught: reading values (``item``, ``bool``, ``tolist``, ``numpy``,
+    ``cpu``), data-dependent sizes
+    (``nonzero``, boolean-mask indexing) and ``torch.tensor(..., device=...)``."""
+    import contextlib
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Aten(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__.rstrip("_")
+            if name in _SYNCING or (name in ("index", "index_put") and any(
+                    getattr(i, "dtype", None) == torch.bool
+                    for i in (args[1] if len(args) > 1 else ()) or ())):
+                raise HostSyncError(f"{func} synchronises the host with the GPU on CUDA "
+                                    "tensors")
+            return func(*args, **(kwargs or {}))
+
+    class _FromHost(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if getattr(func, "__name__", None) in _TO_HOST:
+                raise HostSyncError(f"Tensor.{func.__name__} reads the values on the host (a "
+                                    "synchronising copy on CUDA)")
+            if getattr(func, "__name__", None) in _FROM_HOST and kwargs.get("device") is not None:
+                raise HostSyncError(f"torch.{func.__name__}(..., device=...) copies host values "
+                                    "to the device (a synchronising copy on CUDA)")
+            return func(*args, **kwargs)
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(_FromHost())
+    stack.enter_context(_Aten())
+    return stack
+
+
+def cuda_sync_error():
+    """A context with ``torch.cuda.set_sync_debug_mode("error")`` (restored on exit): any
+    host synchronisation on the GPU raises.  Wrap the code under test, not the reads of its
+    results (``.cpu()`` synchronises by design)."""
+    import contextlib
+
+    import torch
+
+    @contextlib.contextmanager
+    def mode():
+        before = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+
+    return mode()

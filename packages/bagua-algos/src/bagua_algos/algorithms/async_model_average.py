@@ -62,9 +62,13 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self._opt_hooks = []
         self._atexit_registered = False
         self._step_holds = 0            # acquisitions of `lock` by optimizer steps not released
+        self.device: torch.device | None = None   # the weights' device, captured at init
+        self._train_done = None   # CUDA event: the training stream's last step / apply
+        self._avg_done = None     # CUDA event: the averaging stream's last update of pending
 
     def init_operations(self, ctx, buckets):
         self.buckets = buckets
+        self.device = buckets[0].weight.device if buckets else torch.device("cpu")
         self.pending = [torch.zeros_like(b.weight) for b in buckets]
         self.has_pending = False
         if not self._opt_hooks:
@@ -99,6 +103,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self._step_holds += 1
 
     def _unlock_step(self, *_):
+        self._mark_training()     # the snapshot must follow this step on the GPU too
         # torch runs step post-hooks only when the step returns: a step (or its closure) that
         # raised left its hold, which would block the averaging thread for good.  The end of
         # any step therefore lets go of every hold the training thread still has.
@@ -109,6 +114,14 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         while self._step_holds:
             self._step_holds -= 1
             self.lock.release()
+
+    def _mark_training(self):
+        """Record, on the training thread's current stream, that its writes so far (a step,
+        an applied average) come before the averaging thread's next reads."""
+        if self.device is not None and self.device.type == "cuda":
+            if self._train_done is None:
+                self._train_done = torch.cuda.Event()
+            self._train_done.record(torch.cuda.current_stream(self.device))
 
     # -- training thread ------------------------------------------------------------------------
     def forward_pre_hook(self, ctx):
@@ -130,18 +143,25 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         with self.lock:
             if not self.has_pending:
                 return
+            if self._avg_done is not None:    # pending was written on the averaging stream
+                torch.cuda.current_stream(self.device).wait_event(self._avg_done)
             with torch.no_grad():
                 for b, delta in zip(self.buckets, self.pending):
                     b.gather_weights().add_(delta)
                     b.scatter_weights()
                     delta.zero_()
             self.has_pending = False
+            self._mark_training()
 
     def _start(self):
         if not self._atexit_registered:   # a forgotten abort() must not keep peers waiting
             atexit.register(self._stop_at_exit)
             self._atexit_registered = True
         self.abort_event.clear()
+        if self.device is not None and self.device.type == "cuda":
+            # the averaging group's NCCL state (communicator, stream, events) is made here,
+            # on the training thread, on this rank's device; every rank starts together
+            bc.allreduce_inplace(torch.zeros(1, device=self.device), group=self.bg_group)
         # daemon: never keeps the process alive; _stop_at_exit stops it at exit
         self.thread = threading.Thread(target=self._loop, name="bagua-async-average",
                                        daemon=True)
@@ -179,31 +199,46 @@ class AsyncModelAverageImpl(AlgorithmImpl):
     # -- background thread ----------------------------------------------------------------------
     def _loop(self):
         try:
-            flag = torch.zeros(1, dtype=torch.int32)
-            while True:
-                self.abort_event.wait(self.interval)
-                flag.fill_(1 if self.abort_event.is_set() else 0)
-                bc.allreduce_inplace(flag, bc.ReduceOp.MAX, group=self.bg_group)
-                if flag.item():
-                    self.stopped = True
-                    return
-                self._average_once()
+            with _cuda_context(self.device):
+                self._rounds()
         except BaseException as err:   # surfaced in the training thread
             self.error = err
             self.stopped = True
 
+    def _rounds(self):
+        flag = torch.zeros(1, dtype=torch.int32)
+        while True:
+            self.abort_event.wait(self.interval)
+            flag.fill_(1 if self.abort_event.is_set() else 0)
+            bc.allreduce_inplace(flag, bc.ReduceOp.MAX, group=self.bg_group)
+            if flag.item():
+                self.stopped = True
+                return
+            self._average_once()
+
     def _average_once(self):
         with self.lock:   # the weights as the next forward will see them
+            self._after_training()
             snaps = [b.gather_weights() + delta for b, delta in zip(self.buckets, self.pending)]
         for s in snaps:
             avg = s.clone()
             bc.allreduce_inplace(avg, bc.ReduceOp.AVG, group=self.bg_group)
             s.sub_(avg).neg_()             # avg - snapshot
         with self.lock:
+            self._after_training()
             for delta, s in zip(self.pending, snaps):
                 delta.add_(s)
+            if self.device.type == "cuda":
+                if self._avg_done is None:
+                    self._avg_done = torch.cuda.Event()
+                self._avg_done.record()
             self.has_pending = True
         self.rounds += 1
+
+    def _after_training(self):
+        """On the averaging stream: wait for the training stream's last recorded writes."""
+        if self._train_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._train_done)
 
     def _stop_at_exit(self):
         thread = self.thread
@@ -226,3 +261,15 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         for h in self._opt_hooks:
             h.remove()
         self._opt_hooks.clear()
+
+
+def _cuda_context(device):
+    """The averaging thread's CUDA context: ``device`` made current (a new thread starts on
+    device 0) and a stream of its own, so that its copies and kernels neither run on the
+    training stream nor land on another rank's GPU.  A no-op for CPU weights."""
+    import contextlib
+
+    if device is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    torch.cuda.set_device(device)
+    return torch.cuda.stream(torch.cuda.Stream(device))

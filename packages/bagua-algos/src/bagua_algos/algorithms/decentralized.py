@@ -30,13 +30,11 @@ def exchange_shift_one(buf: torch.Tensor, group: bc.ProcessGroup, round_: int,
     peer = shift_one_peer(group.rank, group.size, round_)
     if theirs is None:
         theirs = torch.empty_like(buf)
-    # Receive posted first: on gloo a send waits for the peer's "ready to receive" notice,
-    # which would otherwise queue behind the peer's own outgoing data on the same connection,
-    # so the two directions ran one after the other (2x the wire time at 100 Mbit/s).
-    works = [bc.recv(theirs, peer, group=group, async_op=True),
-             bc.send(buf, peer, group=group, async_op=True)]
-    for w in works:
-        w.wait()
+    # One grouped operation: NCCL's recv and send each block the GPU until the peer's match
+    # runs, so as two launches both ranks would wait in recv forever; gloo posts the receive
+    # first (its "ready to receive" notice then does not queue behind outgoing data).
+    bc.batch_isend_irecv([bc.P2POp("recv", theirs, peer), bc.P2POp("send", buf, peer)],
+                         group=group)
     buf.add_(theirs).div_(2)
 
 

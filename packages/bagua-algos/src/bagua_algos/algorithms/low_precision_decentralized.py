@@ -124,13 +124,11 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         add the same decoded differences."""
         g, st = self.ring, self.state
         left_rank, right_rank = (g.rank - 1) % g.size, (g.rank + 1) % g.size
-        works = [bc.recv(st.left[i], left_rank, group=g, async_op=True)]
+        ops = [bc.P2POp("recv", st.left[i], left_rank)]
         if right_rank != left_rank:
-            works.append(bc.recv(st.right[i], right_rank, group=g, async_op=True))
-        works += [bc.send(st.mine[i], p, group=g, async_op=True)
-                  for p in {left_rank, right_rank}]
-        for work in works:
-            work.wait()
+            ops.append(bc.P2POp("recv", st.right[i], right_rank))
+        ops += [bc.P2POp("send", st.mine[i], p) for p in {left_rank, right_rank}]
+        bc.batch_isend_irecv(ops, group=g)      # grouped: see exchange_shift_one
         if right_rank == left_rank:
             st.right[i].copy_(st.left[i])
 
@@ -163,11 +161,9 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
                                 else st.from_left[i])
         from_left, from_right = st.from_left[i], st.from_right[i]
         peers = {left_rank: from_left, right_rank: from_right}
-        # Every receive posted before any send (see decentralized.exchange_shift_one).
-        works = [bc.recv(buf, peer, group=g, async_op=True) for peer, buf in peers.items()]
-        works += [bc.send(payload, peer, group=g, async_op=True) for peer in peers]
-        for work in works:
-            work.wait()
+        # One grouped exchange (see decentralized.exchange_shift_one).
+        bc.batch_isend_irecv([bc.P2POp("recv", buf, peer) for peer, buf in peers.items()]
+                             + [bc.P2POp("send", payload, peer) for peer in peers], group=g)
         for replica, buf in ((left, from_left), (right, from_right)):
             comp.decompress(buf, q)
             replica.add_(q)

@@ -32,6 +32,8 @@ class Backend:
     """Base class of the backends: the methods each one implements (see module docs)."""
 
     name = "?"
+    #: CUDA device index of a GPU backend (None for gloo).
+    device: int | None = None
 
     def __init__(self, group):
         self.group = group
@@ -75,6 +77,11 @@ class Backend:
         raise NotImplementedError
 
     def barrier(self, async_op):
+        raise NotImplementedError
+
+    def send_recv(self, sends, recvs, async_op):
+        """Every ``(peer, tensor)`` of ``sends`` sent and of ``recvs`` received as one
+        operation: no rank's receive can wait for a send this rank has not posted yet."""
         raise NotImplementedError
 
     # -- multi-phase collectives --------------------------------------------------------------

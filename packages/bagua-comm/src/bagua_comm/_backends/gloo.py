@@ -188,6 +188,12 @@ class GlooBackend(Backend):
     def barrier(self, async_op):
         return finish([self.pg.barrier(self._barrier_opts)], async_op=async_op)
 
+    def send_recv(self, sends, recvs, async_op):
+        # receives first, as in exchange(); gloo's send/recv never block the caller
+        works = [self.pg.recv([t], p, 0) for p, t in recvs if t.numel()]
+        works += [self.pg.send([t], p, 0) for p, t in sends if t.numel()]
+        return finish(works, async_op=async_op)
+
     # -- multi-phase collectives ----------------------------------------------------------------
     def run(self, fn, tensors, async_op):
         """Run ``fn`` on the group's single worker thread (FIFO: the same order on every

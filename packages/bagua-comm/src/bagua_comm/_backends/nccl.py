@@ -80,7 +80,8 @@ class _GroupState:
         self._callers: dict = {}
         self.free_events: collections.deque = collections.deque()
         self.scratch: dict = {}
-        self.watch = _nccl_watchdog.watch(comm, repr(g), _timeout_seconds(), g.cuda_device())
+        self.device = be.device
+        self.watch = _nccl_watchdog.watch(comm, repr(g), _timeout_seconds(), be.device)
 
     @classmethod
     def of(cls, be):
@@ -98,15 +99,17 @@ class _GroupState:
         got = self._callers.get(ptr)
         if got is None:
             cp = _cupy()
-            got = self._callers[ptr] = (cp.cuda.ExternalStream(ptr),
-                                        cp.cuda.Event(disable_timing=True))
+            with _on_device(self.device):
+                got = self._callers[ptr] = (cp.cuda.ExternalStream(ptr),
+                                            cp.cuda.Event(disable_timing=True))
         return got
 
     def event(self):
         try:
             return self.free_events.pop()
         except IndexError:
-            return _cupy().cuda.Event(disable_timing=True)
+            with _on_device(self.device):   # an event belongs to the device current at creation
+                return _cupy().cuda.Event(disable_timing=True)
 
     def recycle(self, handle):
         self.free_events.append(handle._event)
@@ -118,6 +121,13 @@ class _GroupState:
         if t is None or t.numel() != numel or t.dtype != dtype or t.device != device:
             t = self.scratch[name] = torch.empty(numel, dtype=dtype, device=device)
         return t
+
+
+def _on_device(device):
+    """CuPy's current device set to ``device`` (None: leave it; the CPU test fakes)."""
+    import contextlib
+
+    return contextlib.nullcontext() if device is None else _cupy().cuda.Device(device)
 
 
 def _timeout_seconds() -> float:
@@ -177,22 +187,17 @@ class _Launch:
         return finish([handle], async_op=async_op)
 
 
-def _grouped(comm, fn):
-    from .._nccl_loader import load
-
-    nccl = load()
-    nccl.group_start()
-    try:
-        fn()
-    finally:
-        nccl.group_end()
-
-
 class NcclBackend(Backend):
     name = "nccl"
 
-    def __init__(self, group):
+    def __init__(self, group, device: int | None = None):
         super().__init__(group)
+        if device is None:
+            from ..process_group import _state
+
+            device = _state.cuda_device
+        #: The CUDA device of this rank's communicator, stream and events.
+        self.device = device
         self._lock = threading.Lock()
         self._comm = None
         self._stream = None
@@ -215,8 +220,11 @@ class NcclBackend(Backend):
                 if g.rank == 0:
                     store.set(key, nccl.get_unique_id())
                 uid = store.get(key)
-                with torch.cuda.device(g.cuda_device()):
-                    self._comm = nccl.NcclCommunicator(g.size, bytes(uid), g.rank)
+                # Non-blocking creation, bounded by the group's timeout: a peer that never
+                # joins makes this rank raise instead of hanging in ncclCommInitRank.
+                with torch.cuda.device(self.device):
+                    self._comm = nccl.NcclCommunicator(g.size, bytes(uid), g.rank,
+                                                       timeout=_timeout_seconds())
             return self._comm
 
     def stream(self):
@@ -225,7 +233,7 @@ class NcclBackend(Backend):
             if self._stream is None:
                 import cupy
 
-                with cupy.cuda.Device(self.group.cuda_device()):
+                with cupy.cuda.Device(self.device):
                     self._stream = cupy.cuda.Stream(non_blocking=True)
             return self._stream
 
@@ -307,6 +315,20 @@ class NcclBackend(Backend):
                                       nccl_dtype(send_), NCCL_OPS[op], L.ptr)
         return L.done(async_op)
 
+    def _grouped(self, comm, fn):
+        """Run ``fn``'s NCCL calls between ncclGroupStart and ncclGroupEnd: one operation.
+        NCCL's send and recv block the GPU until their peer's match runs, so a rank's sends
+        and receives of one exchange must be grouped, or two ranks that each posted a recv
+        first wait for each other forever."""
+        from .._nccl_loader import load
+
+        nccl = load()
+        nccl.group_start()
+        try:
+            fn()
+        finally:
+            nccl.group_end(comm)
+
     def _p2p(self, L, sends, recvs):
         """Grouped send/recv: ``sends``/``recvs`` are (peer, tensor) pairs."""
         def run():
@@ -317,7 +339,12 @@ class NcclBackend(Backend):
                 if t.numel():
                     L.comm.recv(t.data_ptr(), t.numel(), nccl_dtype(t), peer, L.ptr)
 
-        _grouped(L.comm, run)
+        self._grouped(L.comm, run)
+
+    def send_recv(self, sends, recvs, async_op):
+        with _Launch(self, *(t for _, t in sends), *(t for _, t in recvs)) as L:
+            self._p2p(L, sends, recvs)
+        return L.done(async_op)
 
     def gather(self, send_, recv_, dst, async_op):
         with _Launch(self, send_, recv_) as L:
@@ -355,7 +382,18 @@ class NcclBackend(Backend):
         return L.done(async_op)
 
     def barrier(self, async_op):
-        return self.group._gloo.barrier(async_op)
+        """A one-element NCCL allreduce on this group's stream; the synchronous form also
+        waits on the host for it (a barrier is a host rendezvous)."""
+        with _Launch(self) as L:
+            t = L.state.buffer("barrier", 1, torch.int32, torch.device("cuda", self.device))
+            L.comm.allreduce(t.data_ptr(), t.data_ptr(), 1, nccl_dtype(t), NCCL_OPS[ReduceOp.SUM],
+                             L.ptr)
+        work = L.done(True)
+        if async_op:
+            return work
+        work._handles[0]._event.synchronize()
+        work.wait()
+        return None
 
     # -- multi-phase collectives ----------------------------------------------------------------
     def run(self, fn, tensors, async_op):
