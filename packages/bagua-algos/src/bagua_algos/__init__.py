@@ -13,7 +13,9 @@ from .algorithms import (
     AsyncModelAverage,
     ByteGrad,
     Decentralized,
+    DiLoCo,
     GradientAllReduce,
+    LocalSGD,
     LowPrecisionDecentralized,
     QAdam,
     QAdamOptimizer,
@@ -22,6 +24,6 @@ from .module import BaguaModule, with_bagua
 
 __all__ = [
     "Algorithm", "AlgorithmImpl", "AsyncModelAverage", "BaguaModule", "ByteGrad",
-    "Decentralized", "GradientAllReduce", "LowPrecisionDecentralized", "QAdam",
-    "QAdamOptimizer", "__version__", "with_bagua",
+    "Decentralized", "DiLoCo", "GradientAllReduce", "LocalSGD", "LowPrecisionDecentralized",
+    "QAdam", "QAdamOptimizer", "__version__", "with_bagua",
 ]
