@@ -4,6 +4,8 @@ a ``torch.optim.SGD`` per fragment on the anchor with the mean outer gradient.""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from _common import batch, loss_fn, make_model
 
@@ -18,18 +20,32 @@ def set_flat(model, vec) -> None:
 
 def simulate(world: int, steps: int, *, sync_every: int, outer_lr=0.7, outer_momentum=0.9,
              nesterov=True, fragments=1, overlap=0, inner="sgd", seed=1,
-             model_fn=make_model, batch_fn=batch):
-    """Per step, every rank's flat parameters after that step: ``out[t][r]``."""
+             model_fn=make_model, batch_fn=batch, resume=None):
+    """Per step, every rank's flat parameters after that step: ``out[t][r]``.
+
+    ``resume``: start every rank after step ``resume["step"]`` (no sync in flight) from the
+    model and inner optimizer state ``resume["model"]``/``["optimizer"]`` and the flat
+    ``resume["anchor"]`` and ``resume["momentum"]``; ``out`` then starts at the next step."""
     models = [model_fn(seed) for _ in range(world)]
     opts = [inner_optimizer(m, inner) for m in models]
+    first = 1
+    if resume is not None:
+        first = resume["step"] + 1
+        for m, o in zip(models, opts):
+            m.load_state_dict(resume["model"])
+            o.load_state_dict(copy.deepcopy(resume["optimizer"]))  # Adam's step is shared
     n = flat(models[0]).numel()
     cuts = [p * n // fragments for p in range(fragments + 1)]
-    anchors = [flat(models[0])[cuts[p]:cuts[p + 1]].clone() for p in range(fragments)]
+    base = flat(models[0]) if resume is None else resume["anchor"]
+    anchors = [base[cuts[p]:cuts[p + 1]].clone() for p in range(fragments)]
     outers = [torch.optim.SGD([a], lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
               for a in anchors]
+    if resume is not None and resume.get("momentum") is not None:
+        for p, (a, o) in enumerate(zip(anchors, outers)):
+            o.state[a]["momentum_buffer"] = resume["momentum"][cuts[p]:cuts[p + 1]].clone()
     in_flight = {}                          # fragment -> (apply at, mean delta, starts)
     out = []
-    for t in range(1, steps + 1):
+    for t in range(first, steps + 1):
         for r, (m, o) in enumerate(zip(models, opts)):
             o.zero_grad()
             loss_fn(m, *batch_fn(t - 1, r)).backward()
