@@ -16,9 +16,9 @@ from bagua_comm.testing import run_ranks
 STEPS = 9
 
 
-def _train(algo_kwargs, inner="sgd", steps=STEPS, local=False):
+def _train(algo_kwargs, inner="sgd", steps=STEPS, local=False, device="cpu"):
     rank = bc.get_rank()
-    model = make_model(1)
+    model = make_model(1).to(device)
     opt = inner_optimizer(model, inner)
     algo = LocalSGD(**algo_kwargs) if local else DiLoCo(**algo_kwargs)
     model = with_bagua(model, [opt], algo)
@@ -26,12 +26,15 @@ def _train(algo_kwargs, inner="sgd", steps=STEPS, local=False):
     for t in range(steps):
         bc.traffic.reset()
         opt.zero_grad()
-        loss_fn(model, *batch(t, rank)).backward()
+        loss_fn(model, *(x.to(device) for x in batch(t, rank))).backward()
         opt.step()
-        traj.append(flat(model.module))
+        traj.append(flat(model.module).cpu())
         sent.append(bc.traffic.bytes_sent())
+    impl = model.impl
+    devices = {str(a.device) for a in impl.anchors}
+    devices |= {str(s["momentum_buffer"].device) for s in impl.outer.state.values()}
     model.detach_algorithm()
-    return traj, sent
+    return traj, sent, devices
 
 
 def test_local_sgd_every_step_with_plain_sgd_equals_ddp(results):
@@ -42,7 +45,7 @@ def test_local_sgd_every_step_with_plain_sgd_equals_ddp(results):
         opt.zero_grad()
         loss_fn(ref, *global_batch(t, 2)).backward()   # mean loss = mean of the ranks' grads
         opt.step()
-        for traj, _ in out:
+        for traj, _, _ in out:
             assert torch.allclose(traj[t], flat(ref), rtol=0, atol=1e-6), t
 
 
@@ -62,6 +65,7 @@ def _all_cases():
     out = {"bad input": _bad_input()}
     out.update({name: _train(kw, inner) for name, (kw, inner) in CASES.items()})
     out["local_sgd every step"] = _train({"sync_every": 1}, local=True)
+    out["anchor on cpu"] = _train({"sync_every": 3, "anchor_device": "cpu"}, "adam")
     return out
 
 
@@ -75,13 +79,13 @@ def test_matches_the_single_process_simulation(results, case):
     kw, inner = CASES[case]
     ref = simulate(2, STEPS, inner=inner, **{k.replace("_steps", ""): v for k, v in kw.items()})
     for r in range(2):
-        traj, _ = results[r][case]
+        traj, _, _ = results[r][case]
         for t in range(STEPS):
             assert torch.allclose(traj[t], ref[t][r], rtol=0, atol=2e-6), (case, r, t + 1)
 
 
 def test_ranks_differ_between_syncs_and_are_identical_after(results):
-    (a, sent0), (b, _) = results[0]["diloco adam"], results[1]["diloco adam"]   # sync_every=3
+    (a, sent0, _), (b, _, _) = results[0]["diloco adam"], results[1]["diloco adam"]   # sync_every=3
     for t in range(STEPS):
         if (t + 1) % 3 == 0:
             assert torch.equal(a[t], b[t]), t + 1
@@ -92,8 +96,8 @@ def test_ranks_differ_between_syncs_and_are_identical_after(results):
 
 
 def test_fragments_send_a_fraction_of_the_model_per_step(results):
-    _, plain = results[0]["diloco adam"]
-    _, frag = results[0]["fragments 3"]
+    _, plain, _ = results[0]["diloco adam"]
+    _, frag, _ = results[0]["fragments 3"]
     n = flat(make_model(1)).numel()
     # ring allreduce of float32: 2 (n-1)/n of the buffer; 3 fragments of n/3 (+-1) elements
     assert max(plain) == int(2 * 4 * n * 1 / 2)
@@ -134,3 +138,23 @@ def test_bad_input_raises_naming_the_argument_before_any_communication(results):
     with pytest.raises(ValueError, match="sync_every"):
         Algorithm.init("local_sgd", sync_every=0)
     assert isinstance(Algorithm.init("local_sgd", sync_every=2), LocalSGD)
+
+
+def test_anchor_and_momentum_live_on_the_given_device(results):
+    for r in range(2):
+        traj, _, devices = results[r]["anchor on cpu"]
+        assert devices == {"cpu"}
+        assert all(torch.equal(a, b) for a, b in zip(traj, results[r]["diloco adam"][0]))
+
+
+def _cuda_anchor_on(anchor_device):
+    return _train({"sync_every": 3, "anchor_device": anchor_device}, "adam", device="cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_model_with_anchor_on_cpu_matches_anchor_on_gpu():
+    on_gpu, _, dev_gpu = run_ranks(_cuda_anchor_on, 1, args=(None,), timeout=240)[0]
+    on_cpu, _, dev_cpu = run_ranks(_cuda_anchor_on, 1, args=("cpu",), timeout=240)[0]
+    assert dev_gpu == {"cuda:0"} and dev_cpu == {"cpu"}
+    for a, b in zip(on_gpu, on_cpu):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
