@@ -16,12 +16,12 @@ from bagua_comm.testing import run_ranks
 STEPS = 9
 
 
-def _train(algo_kwargs, inner="sgd", steps=STEPS, local=False, device="cpu"):
+def _train(algo_kwargs, inner="sgd", steps=STEPS, local=False, device="cpu", autotune=False):
     rank = bc.get_rank()
     model = make_model(1).to(device)
     opt = inner_optimizer(model, inner)
     algo = LocalSGD(**algo_kwargs) if local else DiLoCo(**algo_kwargs)
-    model = with_bagua(model, [opt], algo)
+    model = with_bagua(model, [opt], algo, autotune=autotune)
     traj, sent = [], []
     for t in range(steps):
         bc.traffic.reset()
@@ -66,6 +66,8 @@ def _all_cases():
     out.update({name: _train(kw, inner) for name, (kw, inner) in CASES.items()})
     out["local_sgd every step"] = _train({"sync_every": 1}, local=True)
     out["anchor on cpu"] = _train({"sync_every": 3, "anchor_device": "cpu"}, "adam")
+    out["autotuned"] = _train({"sync_every": 3}, "adam", autotune={
+        "warmup_steps": 1, "trial_steps": 2, "max_steps": 8, "cache": False})
     return out
 
 
@@ -158,3 +160,9 @@ def test_cuda_model_with_anchor_on_cpu_matches_anchor_on_gpu():
     assert dev_gpu == {"cuda:0"} and dev_cpu == {"cpu"}
     for a, b in zip(on_gpu, on_cpu):
         assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_autotune_leaves_the_maths_alone(results):
+    for r in range(2):
+        tuned, plain = results[r]["autotuned"][0], results[r]["diloco adam"][0]
+        assert all(torch.equal(a, b) for a, b in zip(tuned, plain))
