@@ -171,7 +171,8 @@ def _mode(r: dict) -> str:
 
     note = mode_note(r["algorithm"], r.get("procs_per_host") or 1,
                      powersgd_rank=r.get("powersgd_rank") or 2,
-                     async_interval_ms=r.get("sync_interval_ms"))
+                     async_interval_ms=r.get("sync_interval_ms"),
+                     sync_every=r.get("sync_every"))
     if r["algorithm"] == "async" and r.get("async_rounds_in_window") is not None:
         note += f", {r['async_rounds_in_window']} avg/{r['window_steps']} st"
     if r.get("bytes_source") == "accounted":

@@ -11,6 +11,7 @@ average inside a node); ``bytegrad_flat`` is ByteGrad forced flat, beside it.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -20,7 +21,8 @@ TORCH_ROWS = ("ddp", "ddp_fp16", "ddp_powersgd")
 HIERARCHICAL = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized")
 DEFAULT_ROWS = ["ddp", "ddp_fp16", "ddp_powersgd", "gradient_allreduce", "bytegrad",
                 "bytegrad_flat", "decentralized", "decentralized_shift_one",
-                "low_precision_decentralized", "async", "qadam"]
+                "low_precision_decentralized", "async", "qadam", "local_sgd", "diloco"]
+SYNC_ROWS = ("local_sgd", "diloco")     # communicate every sync_every steps (sync_every_for)
 _VARIANTS = {  # row name: (registry name, fixed keyword arguments)
     "bytegrad_flat": ("bytegrad", {"hierarchical": False}),
     "decentralized": ("decentralized", {"peer_selection_mode": "all"}),
@@ -42,8 +44,21 @@ def bagua_spec(row: str, procs_per_host: int) -> tuple[str, dict]:
     return name, kwargs
 
 
+def sync_every_for(ddp_step_s: float, compute_s: float, budget_s: float, *,
+                   overhead: float = 0.1, min_syncs: int = 8) -> int:
+    """``sync_every`` for the workload: one sync costs about what DDP's allreduce costs in a
+    step (``ddp_step_s - compute_s``: the same bytes, once); spread over H local steps it
+    should add at most ``overhead`` (10%) to their compute, so H >= comm / (overhead x
+    compute).  H is capped so that the row's time budget holds at least ``min_syncs`` syncs
+    (budget / compute / min_syncs steps), and kept within [2, 512]."""
+    comm = max(0.0, ddp_step_s - compute_s)
+    want = math.ceil(comm / (overhead * max(compute_s, 1e-6)))
+    cap = int(budget_s / max(compute_s, 1e-6) / min_syncs)
+    return max(2, min(want, cap, 512))
+
+
 def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2,
-              async_interval_ms: float | None = None) -> str:
+              async_interval_ms: float | None = None, sync_every: int | None = None) -> str:
     """The short mode description printed in the table's ``mode`` column."""
     if row == "ddp":
         return "built-in"
@@ -53,6 +68,8 @@ def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2,
         return f"rank {powersgd_rank}, EF, warm"
     if row == "async":
         return f"every {async_interval_ms:g}ms"
+    if row in SYNC_ROWS and sync_every:
+        return f"H={sync_every}"
     _name, kwargs = bagua_spec(row, procs_per_host)
     parts = []
     if "peer_selection_mode" in kwargs:

@@ -31,7 +31,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _e2e_model import MarkovText, lm_loss, make_model, num_params
-from _e2e_rows import TORCH_ROWS, AllReduceCounter, bagua_spec, build_torch
+from _e2e_rows import (
+    SYNC_ROWS,
+    TORCH_ROWS,
+    AllReduceCounter,
+    bagua_spec,
+    build_torch,
+    sync_every_for,
+)
 
 
 class Unavailable(Exception):
@@ -63,6 +70,8 @@ def _build(name: str, model, args):
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     if algo_name == "async":
         kwargs["sync_interval_ms"] = args.async_interval_ms
+    if algo_name in SYNC_ROWS:
+        kwargs["sync_every"] = args.chosen_sync_every
     try:
         algo = bagua_algos.Algorithm.init(algo_name, **kwargs)
     except ValueError as err:
@@ -72,6 +81,18 @@ def _build(name: str, model, args):
                               ) from err
         raise
     return bagua_algos.with_bagua(model, [opt], algo), opt
+
+
+def _choose_sync_every(args, compute_s: float, budget_s: float | None, harness) -> int:
+    """``--sync-every`` if given, else ``sync_every_for`` DDP's step time in this job (or
+    ``--ddp-seconds``) and the slowest rank's compute time: the same on every rank."""
+    if args.sync_every:
+        return args.sync_every
+    ddp_step = args.ddp_step_s or (args.ddp_seconds / args.steps if args.ddp_seconds else 0.0)
+    slowest = torch.tensor([compute_s], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=harness)
+    budget = budget_s or args.budget_factor * ddp_step * args.steps or args.wall_seconds
+    return sync_every_for(ddp_step, float(slowest), max(budget, args.wall_seconds))
 
 
 def _compute_time(model, batches, steps: int = 3) -> float:
@@ -149,6 +170,8 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
             budget_s: float | None) -> dict:
     model = make_model(args.size, seed=args.seed)
     compute_s = _compute_time(copy.deepcopy(model), train)
+    if name in SYNC_ROWS:
+        args.chosen_sync_every = _choose_sync_every(args, compute_s, budget_s, harness)
     wrapped, opt = _build(name, model, args)
 
     def step(x, y) -> float:
@@ -258,6 +281,7 @@ def _combine(name: str, recs: list[dict], args, params: int, world: int) -> dict
         "async_rounds_in_window": recs[0]["rounds"] if name == "async" else None,
         "sync_interval_ms": args.async_interval_ms if name == "async" else None,
         "powersgd_rank": args.powersgd_rank if name == "ddp_powersgd" else None,
+        "sync_every": args.chosen_sync_every if name in SYNC_ROWS else None,
         "loss": sum(r["eval_loss"] for r in recs) / len(recs),
         "train_loss": sum(c[1] for c in curve[max(0, args.steps - 5):args.steps]) / min(
             5, args.steps),
@@ -291,9 +315,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=1,
                     help="snapshot the weights for the held-out loss curve every this many steps")
+    ap.add_argument("--sync-every", type=int, default=0,
+                    help="LocalSGD/DiLoCo rows: sync_every (default: chosen for the workload "
+                         "by _e2e_rows.sync_every_for from DDP's step time)")
     ap.add_argument("--ifname", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    args.ddp_step_s, args.chosen_sync_every = 0.0, None
     torch.set_num_threads(1)
     try:
         import bagua_comm as bc
@@ -329,6 +357,7 @@ def main(argv=None) -> int:
         dist.all_gather_object(recs, rec, group=harness)
         if name == "ddp":  # every later row trains at least this long
             budget_s = max(r["budget_s"] for r in recs)
+            args.ddp_step_s = max(r["steps_s"] for r in recs) / recs[0]["window_steps"]
         if rank == 0:
             result = _combine(name, recs, args, params, world)
             (out / f"{name}.json").write_text(json.dumps(result))

@@ -53,7 +53,8 @@ FULL = {"bandwidths": "100,1000,none", "size": "base", "steps": 30, "wall_second
         "hosts": 2, "procs_per_host": 1, "budget_factor": 1.5}
 _NUMERIC = ("samples_per_s", "step_s", "compute_s", "comm_s", "bytes_per_step",
             "bytes_per_step_accounted", "loss", "train_loss", "loss_at_wall", "window_steps",
-            "window_s", "eval_curve", "loss_curve", "time_to_ddp_loss_s", "procs_per_host")
+            "window_s", "eval_curve", "loss_curve", "time_to_ddp_loss_s", "procs_per_host",
+            "sync_every")
 
 
 def _bandwidths(text: str) -> list:
@@ -118,6 +119,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--async-interval-ms", type=float, default=500.0,
                     help="AsyncModelAverage's sync_interval_ms (its timed window is extended "
                          "until it holds 2 averaging rounds)")
+    ap.add_argument("--sync-every", type=int, default=0,
+                    help="local_sgd/diloco rows' sync_every (default 0: chosen for the "
+                         "workload from DDP's step time, see _e2e_rows.sync_every_for)")
     ap.add_argument("--budget-factor", type=float,
                     help="every row trains for max(T, this x DDP's time for N steps); "
                          "default 1.5, --quick 1.25")
@@ -175,7 +179,7 @@ class Launcher:
                   "--steps", a.steps, "--warmup", a.warmup, "--wall-seconds", a.wall_seconds,
                   "--batch-size", a.batch_size, "--lr", a.lr, "--out", outdir,
                   "--procs-per-host", a.procs_per_host, "--powersgd-rank", a.powersgd_rank,
-                  "--async-interval-ms", a.async_interval_ms,
+                  "--async-interval-ms", a.async_interval_ms, "--sync-every", a.sync_every,
                   "--budget-factor", a.budget_factor, "--ddp-seconds", ddp_seconds,
                   "--ifname", self.tb.data_ifname if self.tb else ""]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

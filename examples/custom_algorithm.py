@@ -23,7 +23,7 @@ import bagua_comm as bc
 from bagua_algos import Algorithm, AlgorithmImpl, with_bagua
 
 
-class LocalSGD(Algorithm, name="local_sgd"):
+class PeriodicAverage(Algorithm, name="periodic_average"):
     """Average the weights every ``period`` optimizer steps; no gradient communication."""
 
     def __init__(self, period: int = 4):
@@ -33,10 +33,10 @@ class LocalSGD(Algorithm, name="local_sgd"):
         self.period = period
 
     def reify(self, group):
-        return LocalSGDImpl(group, self.period)
+        return PeriodicAverageImpl(group, self.period)
 
 
-class LocalSGDImpl(AlgorithmImpl):
+class PeriodicAverageImpl(AlgorithmImpl):
     flatten_weights = True         # each bucket's parameters are views of one flat buffer
     uses_grad_buckets = False      # no gradient communication in backward
 
@@ -88,7 +88,8 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    model = with_bagua(model, [optimizer], Algorithm.init("local_sgd", period=args.period))
+    model = with_bagua(model, [optimizer],
+                       Algorithm.init("periodic_average", period=args.period))
 
     x_val, y_val = batch(10**6, 0, n=512)
     first = None
@@ -109,7 +110,7 @@ def main(argv=None) -> dict:
         val = torch.nn.functional.mse_loss(model(x_val), y_val).item()
     state = optimizer.state_dict()["bagua_algos"]        # the algorithm's state, checkpointed
     if rank == 0:
-        print(f"local_sgd (period {args.period}) on {bc.get_world_size()} ranks: "
+        print(f"periodic_average (period {args.period}) on {bc.get_world_size()} ranks: "
               f"{args.steps} steps, {model.impl.averagings} averagings")
         print(f"train loss {first:.4f} -> {loss.item():.4f}, validation loss {val:.4f}")
         print(f"ranks identical after the last averaging: {in_sync}; "

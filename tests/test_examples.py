@@ -56,6 +56,14 @@ def test_custom_algorithm_example(tmp_path):
     assert "ranks identical after the last averaging: True" in out
 
 
+def test_diloco_example(tmp_path):
+    out = _torchrun("diloco.py", tmp_path)
+    assert "ranks identical after the last sync: True" in out
+    assert "'anchor'" in out and "'momentum'" in out and "'steps'" in out
+    ratio = float(re.search(r"DDP: \d+, ([\d.]+)x more", out).group(1))
+    assert ratio > 20          # 8 bits every 8 steps: ~32x fewer bytes than DDP
+
+
 def test_train_example_quick(tmp_path):
     out = _torchrun("train.py", tmp_path, "--algorithm", "bytegrad", "--backend", "gloo")
     before = float(re.search(r"before training val loss ([\d.]+)", out).group(1))

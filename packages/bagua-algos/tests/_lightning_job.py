@@ -95,7 +95,11 @@ def main(out: str) -> None:
             "decentralized": {"hierarchical": False},
             "low_precision_decentralized": {"hierarchical": False},
             "async": {"sync_interval_ms": 5, "warmup_steps": 2},
-            "qadam": {"hierarchical": False}}
+            "qadam": {"hierarchical": False},
+            # 16 steps with inner SGD momentum 0.9 are too few for an outer Nesterov step
+            # to help: the LocalSGD outer step, through the diloco registry name
+            "diloco": {"sync_every": 2, "outer_lr": 1.0, "outer_momentum": 0.0,
+                       "nesterov": False}}
     for name, kwargs in runs.items():
         strategy = BaguaStrategy(algorithm=name, **kwargs)
         # AsyncModelAverage replaces each rank's model with a (stale) average every few ms,

@@ -15,7 +15,9 @@ from .algorithms import (
     AsyncModelAverage,
     ByteGrad,
     Decentralized,
+    DiLoCo,
     GradientAllReduce,
+    LocalSGD,
     LowPrecisionDecentralized,
     QAdam,
     QAdamOptimizer,
@@ -24,6 +26,6 @@ from .module import BaguaModule, with_bagua
 
 __all__ = [
     "Algorithm", "AlgorithmImpl", "AsyncModelAverage", "BaguaModule", "ByteGrad",
-    "Decentralized", "GradientAllReduce", "LowPrecisionDecentralized", "QAdam",
-    "QAdamOptimizer", "__version__", "recommend", "with_bagua",
+    "Decentralized", "DiLoCo", "GradientAllReduce", "LocalSGD", "LowPrecisionDecentralized",
+    "QAdam", "QAdamOptimizer", "__version__", "recommend", "with_bagua",
 ]

@@ -103,6 +103,11 @@ class Algorithm:
         """Names accepted by :meth:`init`."""
         return sorted(_REGISTRY)
 
+    def check_wrap(self, module: torch.nn.Module, optimizers: list) -> None:
+        """Called by :func:`with_bagua` on every rank before any communication: raise
+        ``ValueError`` (naming the argument) for a model or optimizers this algorithm cannot
+        run with.  The default accepts everything."""
+
     def reify(self, group: bc.ProcessGroup) -> AlgorithmImpl:
         """Create the per-model implementation communicating over ``group``."""
         raise NotImplementedError(f"{type(self).__name__} must implement reify(group)")

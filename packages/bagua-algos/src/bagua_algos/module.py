@@ -68,6 +68,7 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
     if not isinstance(algorithm, Algorithm):
         raise ValueError("algorithm must be a bagua_algos.Algorithm (e.g. GradientAllReduce() or "
                          f"Algorithm.init('gradient_allreduce')), got {type(algorithm).__name__}")
+    algorithm.check_wrap(model, optimizers)    # every rank, before any communication
     if not bc.is_initialized() and torch.distributed.is_initialized():
         bc.init_process_group()  # adopt torch's default process group (DDP users' habit)
     if not bc.is_initialized():

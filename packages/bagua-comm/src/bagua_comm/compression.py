@@ -1,4 +1,5 @@
-"""Compressors: the MinMaxUInt8 format of ByteGrad (byte-compatible with Bagua).
+"""Compressors: the MinMaxUInt8 format of ByteGrad (byte-compatible with Bagua), and
+:class:`MinMaxUInt4`, the same min-max rule at 4 bits (see ``_minmax4``).
 
 A compressor turns a flat float tensor into a ``uint8`` payload and back::
 
@@ -381,3 +382,10 @@ def _decompress(payload, out, chunks, dtype):
     _minmax.decode(payload.numpy(), rec, HEADER_BYTES, chunks, mins, maxs, target.numpy())
     if target is not out:
         out.copy_(target)
+
+
+# The 4-bit format lives in its own module (it reuses this one's header writer).
+from ._minmax4 import MinMaxUInt4, record_bytes4  # noqa: E402
+
+__all__ = ["Compressor", "Context", "MinMaxUInt4", "MinMaxUInt8", "record_bytes",
+           "record_bytes4"]

@@ -10,11 +10,13 @@ the wrapper's machinery one level up: ``module.py`` (``with_bagua``), ``_bucket.
 from .async_model_average import AsyncModelAverage
 from .bytegrad import ByteGrad
 from .decentralized import Decentralized
+from .diloco import DiLoCo
 from .gradient_allreduce import GradientAllReduce
+from .local_sgd import LocalSGD
 from .low_precision_decentralized import LowPrecisionDecentralized
 from .q_adam import QAdam, QAdamOptimizer
 
 __all__ = [
-    "AsyncModelAverage", "ByteGrad", "Decentralized", "GradientAllReduce",
-    "LowPrecisionDecentralized", "QAdam", "QAdamOptimizer",
+    "AsyncModelAverage", "ByteGrad", "Decentralized", "DiLoCo", "GradientAllReduce",
+    "LocalSGD", "LowPrecisionDecentralized", "QAdam", "QAdamOptimizer",
 ]

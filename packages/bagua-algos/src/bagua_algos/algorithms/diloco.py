@@ -1,0 +1,358 @@
+"""DiLoCo (arXiv 2311.08105) and Streaming DiLoCo (arXiv 2501.18512): communicate rarely.
+
+Each rank's own (inner) optimizer steps its parameters θ_i; no gradient is communicated.
+Every rank also keeps an anchor θ_a (the parameters at ``with_bagua``, identical on every
+rank) and an outer momentum m.  Every ``sync_every`` optimizer steps the ranks average their
+outer gradient Δ = θ_a - θ_i, take one outer step on θ_a with Δ exactly as
+``torch.optim.SGD(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)`` would (an actual
+``torch.optim.SGD`` over the anchor runs it), and restart from the new anchor.
+
+Streaming: ``fragments=P`` cuts the flat parameter vector (registration order) into P
+contiguous ranges of equal size (±1 element); fragment p syncs after steps t with
+``t % sync_every == (p + 1) * sync_every // P % sync_every``, so about 1/P of the model
+travels in any one step.  ``overlap_steps=τ`` starts a fragment's allreduce after step t and
+applies it after step t + τ: the inner steps in between overlap the communication.  Local
+progress made meanwhile is kept: the correction the rank would have applied at t is applied
+at t + τ, ``θ_i ← θ_i(t + τ) + (θ_a_new - θ_i(t))`` (with τ = 0 this is ``θ_i ← θ_a_new``).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+import bagua_comm as bc
+
+from .._checks import check_bool, check_int_at_least
+from .._comm import Handle, Reducer
+from .._compression import check_chunks, check_compressor
+from ..algorithm import Algorithm, AlgorithmImpl
+
+
+def _check_number(name, value, low, high=None, *, low_open=False):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and (value > low if low_open else value >= low) and (high is None or value < high)
+    if not ok:
+        rule = f"{'>' if low_open else '>='} {low}" + (f" and < {high}" if high is not None else "")
+        raise ValueError(f"{name} must be a number {rule}, got {value!r}")
+
+
+def trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of every parameter that requires grad, once each, in registration
+    order."""
+    seen, out = set(), []
+    for name, p in module.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
+def fragment_bounds(numel: int, fragments: int) -> list[tuple[int, int]]:
+    """``fragments`` contiguous ranges of ``[0, numel)`` whose sizes differ by at most one."""
+    cuts = [p * numel // fragments for p in range(fragments + 1)]
+    return list(itertools.pairwise(cuts))
+
+
+def sync_offset(fragment: int, fragments: int, sync_every: int) -> int:
+    """Fragment ``fragment`` syncs after the steps t with ``t % sync_every`` equal to this."""
+    return (fragment + 1) * sync_every // fragments % sync_every
+
+
+class DiLoCo(Algorithm, name="diloco"):
+    """Local inner steps, an outer Nesterov step on the averaged parameter change every
+    ``sync_every`` optimizer steps (see the module docstring for the exact maths).
+
+    Args:
+        sync_every: inner optimizer steps between syncs (H).
+        outer_lr, outer_momentum, nesterov: the outer ``torch.optim.SGD``.
+        fragments: Streaming DiLoCo's P (at most the number of trainable tensors).
+        overlap_steps: τ, inner steps a sync overlaps (< ``sync_every``).
+        compressor: None (full precision) or a ``bagua_comm.compression.Compressor`` for the
+            outer gradient (e.g. ``MinMaxUInt8(world)`` or ``MinMaxUInt4(world,
+            error_feedback=True)``); its ``chunks`` must be a multiple of the ranks
+            exchanging it.
+        hierarchical: average inside each node first, exchange among node leaders.
+        anchor_device: where the anchor and outer momentum live (default: the parameters'
+            device); ``"cpu"`` keeps these 2x parameters (float32) off a GPU.
+    """
+
+    def __init__(self, sync_every: int = 32, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 nesterov: bool = True, fragments: int = 1, overlap_steps: int = 0,
+                 compressor=None, hierarchical: bool = False, *, anchor_device=None):
+        check_int_at_least("sync_every", sync_every, 1)
+        _check_number("outer_lr", outer_lr, 0, low_open=True)
+        _check_number("outer_momentum", outer_momentum, 0, 1)
+        check_bool("nesterov", nesterov)
+        if nesterov and outer_momentum == 0:
+            raise ValueError("nesterov=True needs outer_momentum > 0 (as torch.optim.SGD)")
+        check_int_at_least("fragments", fragments, 1)
+        check_int_at_least("overlap_steps", overlap_steps, 0)
+        if overlap_steps >= sync_every:
+            raise ValueError(f"overlap_steps ({overlap_steps}) must be < sync_every "
+                             f"({sync_every}): a fragment's sync must land before its next one")
+        check_compressor(compressor)
+        check_bool("hierarchical", hierarchical)
+        if anchor_device is not None:
+            try:
+                anchor_device = torch.device(anchor_device)
+            except (RuntimeError, TypeError) as err:
+                raise ValueError(f"anchor_device must be None or a torch device such as 'cpu', "
+                                 f"got {anchor_device!r}") from err
+        self.sync_every = sync_every
+        self.outer_lr = outer_lr
+        self.outer_momentum = outer_momentum
+        self.nesterov = nesterov
+        self.fragments = fragments
+        self.overlap_steps = overlap_steps
+        self.compressor = compressor
+        self.hierarchical = hierarchical
+        self.anchor_device = anchor_device
+
+    def check_wrap(self, module: torch.nn.Module, optimizers: list) -> None:
+        params = trainable(module)
+        if not optimizers:
+            raise ValueError(f"optimizers: {type(self).__name__} counts and follows the inner "
+                             "optimizer's steps; pass it: with_bagua(model, [optimizer], ...)")
+        given = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+        missing = [n for n, p in params if id(p) not in given]
+        if missing:
+            raise ValueError(f"optimizers: parameters {missing[:5]} are not in any optimizer "
+                             f"given to with_bagua; {type(self).__name__} syncs after the given "
+                             "optimizers' steps, so every trainable parameter must be in one")
+        if self.fragments > len(params):
+            raise ValueError(f"fragments ({self.fragments}) must be <= the number of trainable "
+                             f"parameter tensors ({len(params)})")
+        devices = {p.device for _, p in params}
+        if len(devices) > 1:
+            raise ValueError(f"{type(self).__name__} needs every trainable parameter on one "
+                             f"device, got {sorted(map(str, devices))}")
+
+    def reify(self, group):
+        return DiLoCoImpl(group, self)
+
+
+class _Sync:
+    """A fragment's sync in flight: the averaged outer gradient, the parameters it started
+    from (only when it overlaps inner steps), and when it is applied."""
+
+    __slots__ = ("apply_at", "delta", "handle", "start")
+
+    def __init__(self, delta, start, handle, apply_at):
+        self.delta, self.start, self.handle, self.apply_at = delta, start, handle, apply_at
+
+
+class DiLoCoImpl(AlgorithmImpl):
+    uses_grad_buckets = False
+
+    def __init__(self, group, algo: DiLoCo):
+        super().__init__(group)
+        self.algo = algo
+        self.H, self.P, self.tau = algo.sync_every, algo.fragments, algo.overlap_steps
+        self.reducer = Reducer(group, algo.hierarchical, "bagua-diloco")
+        self.compressor = algo.compressor
+        if self.compressor is not None:
+            check_chunks(self.compressor, self.reducer.peers.size, "DiLoCo compressor")
+        self.steps = 0                 # completed inner steps (every given optimizer stepped)
+        self._counts: dict[int, int] = {}
+        self.pending: dict[int, _Sync] = {}
+        self.params = None
+
+    # -- layout ---------------------------------------------------------------------------------
+    def init_tensors(self, ctx):
+        return []                      # no gradient buckets: nothing is communicated per step
+
+    def init_operations(self, ctx, buckets):
+        if self.params is not None:
+            return                     # re-bucketing: our state does not depend on buckets
+        named = trainable(ctx.module)
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.device = self.params[0].device
+        self.anchor_device = self.algo.anchor_device or self.device
+        self.offsets, off = [], 0
+        for p in self.params:
+            self.offsets.append(off)
+            off += p.numel()
+        self.numel = off
+        self.bounds = fragment_bounds(off, self.P)
+        self.counts_of = {id(o): 0 for o in ctx.optimizers}
+        self.buffers = [b for b in ctx.module.buffers() if b.is_floating_point()]
+        with torch.no_grad():
+            self.anchors = [self.gather(p).to(self.anchor_device, copy=True)
+                            for p in range(self.P)]
+        self.outer = torch.optim.SGD(self.anchors, lr=self.algo.outer_lr,
+                                     momentum=self.algo.outer_momentum,
+                                     nesterov=self.algo.nesterov)
+
+    def pieces(self, fragment: int):
+        """(parameter, start, end, position in the fragment) covering the fragment."""
+        lo, hi = self.bounds[fragment]
+        for p, off in zip(self.params, self.offsets):
+            a, z = max(lo, off), min(hi, off + p.numel())
+            if a < z:
+                yield p, a - off, z - off, a - lo
+
+    def gather(self, fragment: int) -> torch.Tensor:
+        """The fragment's current parameters as one float32 vector (on their device)."""
+        lo, hi = self.bounds[fragment]
+        out = torch.empty(hi - lo, dtype=torch.float32, device=self.device)
+        for p, a, z, at in self.pieces(fragment):
+            out[at:at + z - a].copy_(p.detach().reshape(-1)[a:z])
+        return out
+
+    def scatter(self, fragment: int, flat: torch.Tensor) -> None:
+        """Write a float32 vector into the fragment's parameters."""
+        for p, a, z, at in self.pieces(fragment):
+            if p.is_contiguous():
+                p.detach().view(-1)[a:z].copy_(flat[at:at + z - a])
+            else:
+                whole = p.detach().reshape(-1).clone()
+                whole[a:z].copy_(flat[at:at + z - a])
+                p.detach().copy_(whole.view_as(p))
+
+    # -- steps ----------------------------------------------------------------------------------
+    def post_optimizer_step_hook(self, ctx, optimizer):
+        # An inner step is complete once every given optimizer has stepped (in any order).
+        self.counts_of[id(optimizer)] = self.counts_of.get(id(optimizer), 0) + 1
+        done = min(self.counts_of.values())
+        while self.steps < done:
+            self.steps += 1
+            self.on_step(self.steps)
+
+    def on_step(self, t: int) -> None:
+        with torch.no_grad():
+            for p in sorted(f for f, s in self.pending.items() if s.apply_at <= t):
+                self.apply(p)
+            for p in range(self.P):
+                if t % self.H == sync_offset(p, self.P, self.H):
+                    self.start(p, t)
+
+    def start(self, fragment: int, t: int) -> None:
+        x = self.gather(fragment)
+        delta = self.anchors[fragment].to(self.device, copy=True).sub_(x)
+        if self.group.size == 1:
+            handle = Handle.completed()
+        elif self.compressor is not None:
+            handle = self.reducer.compressed_allreduce(delta, self.compressor,
+                                                       f"fragment{fragment}")
+        else:
+            handle = self.reducer.allreduce(delta, bc.ReduceOp.AVG)
+        self.pending[fragment] = _Sync(delta, x if self.tau else None, handle, t + self.tau)
+        if self.tau == 0:
+            self.apply(fragment)
+
+    def apply(self, fragment: int) -> None:
+        s = self.pending.pop(fragment)
+        if s.handle is not None:
+            s.handle.wait()
+        anchor = self.anchors[fragment]
+        for a in self.anchors:
+            a.grad = None
+        anchor.grad = s.delta.to(self.anchor_device)
+        self.outer.step()
+        anchor.grad = None
+        new = anchor.to(self.device)
+        if s.start is not None:       # keep the inner steps made while the sync was in flight
+            new = self.gather(fragment).add_(new).sub_(s.start)
+        self.scatter(fragment, new)
+        if fragment == self.P - 1:
+            self.average_buffers()
+
+    def average_buffers(self) -> None:
+        if self.group.size == 1 or not self.buffers:
+            return
+        flat = torch.cat([b.detach().reshape(-1).double() for b in self.buffers])
+        bc.allreduce_inplace(flat, bc.ReduceOp.AVG, group=self.group)
+        off = 0
+        for b in self.buffers:
+            b.copy_(flat[off:off + b.numel()].view_as(b))
+            off += b.numel()
+
+    def finish(self) -> None:
+        """Wait for syncs in flight (their allreduce), without applying them early."""
+        for s in self.pending.values():
+            if s.handle is not None:
+                s.handle.wait()
+                s.handle = None
+
+    # -- state ----------------------------------------------------------------------------------
+    def _by_name(self, flats: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        whole = torch.cat([f.detach().reshape(-1).cpu() for f in flats])
+        return {n: whole[o:o + p.numel()].clone()
+                for n, p, o in zip(self.names, self.params, self.offsets)}
+
+    def _from_names(self, state: dict, what: str) -> list[torch.Tensor]:
+        whole = torch.empty(self.numel, dtype=torch.float32)
+        for n, p, o in zip(self.names, self.params, self.offsets):
+            if n not in state or state[n].numel() != p.numel():
+                raise ValueError(f"DiLoCo's {what}: no state of the right size for parameter "
+                                 f"{n!r}; load a checkpoint of the same model")
+            whole[o:o + p.numel()] = state[n].reshape(-1)
+        return [whole[lo:hi].clone() for lo, hi in self.bounds]
+
+    def state_dict(self):
+        self.finish()
+        momentum = [self.outer.state.get(a, {}).get("momentum_buffer") for a in self.anchors]
+        pending = {f: {"apply_at": s.apply_at, "delta": s.delta.cpu().clone(),
+                       "start": None if s.start is None else s.start.cpu().clone()}
+                   for f, s in self.pending.items()}
+        out = {"steps": self.steps, "fragments": self.P, "sync_every": self.H,
+               "anchor": self._by_name(self.anchors), "pending": pending}
+        if all(m is not None for m in momentum):
+            out["momentum"] = self._by_name(momentum)
+        if self.compressor is not None:
+            out["compressor"] = self.compressor.state_dict()
+        return out
+
+    def load_state_dict(self, state):
+        self._load(state, with_compressor=True)
+
+    def _load(self, state, *, with_compressor: bool) -> None:
+        if (state.get("fragments"), state.get("sync_every")) != (self.P, self.H) \
+                and state.get("pending"):
+            raise ValueError("DiLoCo: a checkpoint with syncs in flight loads only with the "
+                             "same fragments and sync_every")
+        self.finish()
+        self.pending.clear()
+        with torch.no_grad():
+            for a, t in zip(self.anchors, self._from_names(state["anchor"], "anchor")):
+                a.copy_(t)
+            self.outer.state.clear()
+            if "momentum" in state:
+                for a, t in zip(self.anchors, self._from_names(state["momentum"], "momentum")):
+                    self.outer.state[a] = {"momentum_buffer": t.to(self.anchor_device)}
+        for f, s in state.get("pending", {}).items():
+            start = None if s["start"] is None else s["start"].to(self.device)
+            self.pending[int(f)] = _Sync(s["delta"].to(self.device), start, None,
+                                         int(s["apply_at"]))
+        self.steps = int(state["steps"])
+        for k in self.counts_of:
+            self.counts_of[k] = self.steps
+        if with_compressor and "compressor" in state and self.compressor is not None:
+            self.compressor.load_state_dict(state["compressor"])
+
+    def load_foreign_state_dict(self, state, *, world_size, rank):
+        # Anchor, momentum, step counter and the averaged outer gradients in flight are the
+        # same on every rank; a sync's starting point and error-feedback residuals are the
+        # saving rank's: every rank continues as that rank would (the model it loaded is that
+        # rank's too), and residuals restart at zero.
+        self._load(state, with_compressor=False)
+        note = None
+        if state.get("compressor", {}).get("residuals"):
+            note = "the outer gradient's error-feedback residuals are per rank and restart at 0"
+        if self.pending:
+            what = "syncs in flight land on the saving rank's starting point"
+            note = f"{note}; {what}" if note else what
+        return note
+
+    def before_rebucket(self, ctx):
+        return {}
+
+    def after_rebucket(self, ctx, buckets, state):
+        pass
+
+    def shutdown(self):
+        self.finish()
+        self.reducer.close()

@@ -1,0 +1,168 @@
+"""LocalSGD and DiLoCo on 2 gloo ranks against a single-process simulation of the ranks
+(tests/_diloco_ref.py), DDP equivalence, bad input, Streaming DiLoCo's fragments and overlap,
+and the bytes a fragment sends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _common import batch, global_batch, loss_fn, make_model
+from _diloco_ref import flat, inner_optimizer, simulate
+
+import bagua_comm as bc
+from bagua_algos import Algorithm, DiLoCo, LocalSGD, with_bagua
+from bagua_comm.testing import run_ranks
+
+STEPS = 9
+
+
+def _train(algo_kwargs, inner="sgd", steps=STEPS, local=False, device="cpu", autotune=False):
+    rank = bc.get_rank()
+    model = make_model(1).to(device)
+    opt = inner_optimizer(model, inner)
+    algo = LocalSGD(**algo_kwargs) if local else DiLoCo(**algo_kwargs)
+    model = with_bagua(model, [opt], algo, autotune=autotune)
+    traj, sent = [], []
+    for t in range(steps):
+        bc.traffic.reset()
+        opt.zero_grad()
+        loss_fn(model, *(x.to(device) for x in batch(t, rank))).backward()
+        opt.step()
+        traj.append(flat(model.module).cpu())
+        sent.append(bc.traffic.bytes_sent())
+    impl = model.impl
+    devices = {str(a.device) for a in impl.anchors}
+    devices |= {str(s["momentum_buffer"].device) for s in impl.outer.state.values()}
+    model.detach_algorithm()
+    return traj, sent, devices
+
+
+def test_local_sgd_every_step_with_plain_sgd_equals_ddp(results):
+    out = [r["local_sgd every step"] for r in results]
+    ref = make_model(1)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for t in range(STEPS):
+        opt.zero_grad()
+        loss_fn(ref, *global_batch(t, 2)).backward()   # mean loss = mean of the ranks' grads
+        opt.step()
+        for traj, _, _ in out:
+            assert torch.allclose(traj[t], flat(ref), rtol=0, atol=1e-6), t
+
+
+CASES = {
+    "diloco adam": (dict(sync_every=3), "adam"),
+    "diloco momentum, no nesterov": (dict(sync_every=4, outer_lr=0.5, nesterov=False),
+                                     "momentum"),
+    "local_sgd": (dict(sync_every=3, outer_lr=1.0, outer_momentum=0.0, nesterov=False), "sgd"),
+    "fragments 3": (dict(sync_every=4, fragments=3), "sgd"),
+    "overlap 2": (dict(sync_every=4, overlap_steps=2), "momentum"),
+    "fragments 2 overlap 1": (dict(sync_every=4, fragments=2, overlap_steps=1), "adam"),
+}
+
+
+def _all_cases():
+    # one spawn for the whole file (spawning ranks is the slow part on a loaded machine)
+    out = {"bad input": _bad_input()}
+    out.update({name: _train(kw, inner) for name, (kw, inner) in CASES.items()})
+    out["local_sgd every step"] = _train({"sync_every": 1}, local=True)
+    out["anchor on cpu"] = _train({"sync_every": 3, "anchor_device": "cpu"}, "adam")
+    out["autotuned"] = _train({"sync_every": 3}, "adam", autotune={
+        "warmup_steps": 1, "trial_steps": 2, "max_steps": 8, "cache": False})
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_all_cases, 2, timeout=240)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_the_single_process_simulation(results, case):
+    kw, inner = CASES[case]
+    ref = simulate(2, STEPS, inner=inner, **{k.replace("_steps", ""): v for k, v in kw.items()})
+    for r in range(2):
+        traj, _, _ = results[r][case]
+        for t in range(STEPS):
+            assert torch.allclose(traj[t], ref[t][r], rtol=0, atol=2e-6), (case, r, t + 1)
+
+
+def test_ranks_differ_between_syncs_and_are_identical_after(results):
+    (a, sent0, _), (b, _, _) = results[0]["diloco adam"], results[1]["diloco adam"]   # sync_every=3
+    for t in range(STEPS):
+        if (t + 1) % 3 == 0:
+            assert torch.equal(a[t], b[t]), t + 1
+            assert sent0[t] > 0
+        else:
+            assert not torch.equal(a[t], b[t]), t + 1
+            assert sent0[t] == 0                  # nothing is communicated between syncs
+
+
+def test_fragments_send_a_fraction_of_the_model_per_step(results):
+    _, plain, _ = results[0]["diloco adam"]
+    _, frag, _ = results[0]["fragments 3"]
+    n = flat(make_model(1)).numel()
+    # ring allreduce of float32: 2 (n-1)/n of the buffer; 3 fragments of n/3 (+-1) elements
+    assert max(plain) == int(2 * 4 * n * 1 / 2)
+    assert max(frag) <= max(plain) / 3 + 4
+    assert sum(1 for s in frag if s) == 7        # steps t with t % 4 in (1, 2, 0)
+
+
+def _bad_input():
+    rank = bc.get_rank()
+    model = make_model(1)
+    opt = torch.optim.SGD(list(model.parameters())[:2], lr=0.1)
+    errors = []
+    if rank == 0:   # the peer never calls with_bagua: a check after communication would hang
+        for opts, algo in (([], DiLoCo()), ([opt], DiLoCo()),
+                           ([torch.optim.SGD(model.parameters(), lr=0.1)],
+                            DiLoCo(fragments=7))):
+            try:
+                with_bagua(model, opts, algo)
+            except ValueError as err:
+                errors.append(str(err))
+    bc.barrier()
+    return errors
+
+
+def test_bad_input_raises_naming_the_argument_before_any_communication(results):
+    errors = results[0]["bad input"]
+    assert len(errors) == 3
+    assert errors[0].startswith("optimizers") and errors[1].startswith("optimizers")
+    assert "fragments (7)" in errors[2]
+    for kwargs, word in (({"sync_every": 0}, "sync_every"),
+                         ({"overlap_steps": 4, "sync_every": 4}, "overlap_steps"),
+                         ({"fragments": 0}, "fragments"),
+                         ({"outer_momentum": 1.0}, "outer_momentum"),
+                         ({"compressor": "int8"}, "compressor"),
+                         ({"anchor_device": "nowhere"}, "anchor_device")):
+        with pytest.raises(ValueError, match=word):
+            DiLoCo(**kwargs)
+    with pytest.raises(ValueError, match="sync_every"):
+        Algorithm.init("local_sgd", sync_every=0)
+    assert isinstance(Algorithm.init("local_sgd", sync_every=2), LocalSGD)
+
+
+def test_anchor_and_momentum_live_on_the_given_device(results):
+    for r in range(2):
+        traj, _, devices = results[r]["anchor on cpu"]
+        assert devices == {"cpu"}
+        assert all(torch.equal(a, b) for a, b in zip(traj, results[r]["diloco adam"][0]))
+
+
+def _cuda_anchor_on(anchor_device):
+    return _train({"sync_every": 3, "anchor_device": anchor_device}, "adam", device="cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_model_with_anchor_on_cpu_matches_anchor_on_gpu():
+    on_gpu, _, dev_gpu = run_ranks(_cuda_anchor_on, 1, args=(None,), timeout=240)[0]
+    on_cpu, _, dev_cpu = run_ranks(_cuda_anchor_on, 1, args=("cpu",), timeout=240)[0]
+    assert dev_gpu == {"cuda:0"} and dev_cpu == {"cpu"}
+    for a, b in zip(on_gpu, on_cpu):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_autotune_leaves_the_maths_alone(results):
+    for r in range(2):
+        tuned, plain = results[r]["autotuned"][0], results[r]["diloco adam"][0]
+        assert all(torch.equal(a, b) for a, b in zip(tuned, plain))
