@@ -17,11 +17,12 @@ from .algorithms import (
     LowPrecisionDecentralized,
     QAdam,
     QAdamOptimizer,
+    TopK,
 )
 from .module import BaguaModule, with_bagua
 
 __all__ = [
     "Algorithm", "AlgorithmImpl", "AsyncModelAverage", "BaguaModule", "ByteGrad",
     "Decentralized", "GradientAllReduce", "LowPrecisionDecentralized", "QAdam",
-    "QAdamOptimizer", "__version__", "with_bagua",
+    "QAdamOptimizer", "TopK", "__version__", "with_bagua",
 ]

@@ -13,8 +13,9 @@ from .decentralized import Decentralized
 from .gradient_allreduce import GradientAllReduce
 from .low_precision_decentralized import LowPrecisionDecentralized
 from .q_adam import QAdam, QAdamOptimizer
+from .topk import TopK
 
 __all__ = [
     "AsyncModelAverage", "ByteGrad", "Decentralized", "GradientAllReduce",
-    "LowPrecisionDecentralized", "QAdam", "QAdamOptimizer",
+    "LowPrecisionDecentralized", "QAdam", "QAdamOptimizer", "TopK",
 ]
