@@ -15,6 +15,7 @@ from .algorithms import (
     Decentralized,
     GradientAllReduce,
     LowPrecisionDecentralized,
+    LowRank,
     QAdam,
     QAdamOptimizer,
     TopK,
@@ -23,6 +24,6 @@ from .module import BaguaModule, with_bagua
 
 __all__ = [
     "Algorithm", "AlgorithmImpl", "AsyncModelAverage", "BaguaModule", "ByteGrad",
-    "Decentralized", "GradientAllReduce", "LowPrecisionDecentralized", "QAdam",
+    "Decentralized", "GradientAllReduce", "LowPrecisionDecentralized", "LowRank", "QAdam",
     "QAdamOptimizer", "TopK", "__version__", "with_bagua",
 ]

@@ -12,10 +12,11 @@ from .bytegrad import ByteGrad
 from .decentralized import Decentralized
 from .gradient_allreduce import GradientAllReduce
 from .low_precision_decentralized import LowPrecisionDecentralized
+from .low_rank import LowRank
 from .q_adam import QAdam, QAdamOptimizer
 from .topk import TopK
 
 __all__ = [
     "AsyncModelAverage", "ByteGrad", "Decentralized", "GradientAllReduce",
-    "LowPrecisionDecentralized", "QAdam", "QAdamOptimizer", "TopK",
+    "LowPrecisionDecentralized", "LowRank", "QAdam", "QAdamOptimizer", "TopK",
 ]
