@@ -1,5 +1,6 @@
 """The compressor an algorithm communicates through (``compressor=`` of ByteGrad,
-LowPrecisionDecentralized and QAdam), and its error-feedback state keyed by parameter.
+LowPrecisionDecentralized and QAdam), its error-feedback state keyed by parameter, and
+:class:`CompressedAllReduce` (the bucket allreduce ByteGrad and QAdam share).
 
 One compressor serves every bucket; each bucket's calls use the bucket's name as the
 compressor's ``key``.  ``bagua_comm.compressed_allreduce`` keeps a compressor's residuals under
@@ -19,6 +20,7 @@ import torch
 
 import bagua_comm as bc
 
+from ._comm import Reducer
 from ._state import export_flat, import_flat
 
 log = logging.getLogger(__name__)
@@ -148,3 +150,56 @@ class CompressorState:
                                               "error-feedback residuals", start=[lo]):
                     res[f"{b.name}/{tag}"] = buf
         self.compressor.load_state_dict({**state.get("compressor", {}), "residuals": res})
+
+
+def layout(buckets) -> list[list[str]]:
+    return [list(b.names) for b in buckets]
+
+
+class CompressedAllReduce:
+    """Flat or hierarchical compressed allreduce of buckets through one compressor, with its
+    state keyed by parameter (ByteGrad's and QAdam's)."""
+
+    def __init__(self, group, hierarchical: bool, compressor, *, average: bool = True,
+                 error_feedback: bool = False, name: str = "bagua-compressed"):
+        peers = group.num_nodes if hierarchical else group.size
+        check_chunks(compressor, peers, "compressor")      # before any communication
+        self.reducer = Reducer(group, hierarchical, name)
+        self.op = bc.ReduceOp.AVG if average else bc.ReduceOp.SUM
+        self.compressor = make_compressor(compressor, self.reducer.peers.size, error_feedback)
+        self.state = CompressorState(self.compressor, self.reducer.peers)
+        self.buckets = []
+
+    def alignment(self) -> int:
+        return alignment(self.compressor, self.reducer.peers.size)
+
+    def __call__(self, tensor, bucket):
+        """Start the allreduce of ``tensor`` (laid out like ``bucket``) in place."""
+        if tensor.numel() > bucket.numel:                   # padding: zero, not last decode
+            tensor[bucket.numel:].zero_()
+        return self.reducer.compressed_allreduce(tensor, self.compressor, bucket.name, self.op)
+
+    def state_dict(self) -> dict:
+        return {**self.state.export(self.buckets), "layout": layout(self.buckets)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.load(self.buckets, state, same_layout=state.get("layout") ==
+                        layout(self.buckets))
+
+    def share(self, state: dict) -> dict:
+        """Collective part of re-bucketing (see CompressorState.share_gather)."""
+        self.state.share_gather(self.buckets, state)
+        return state
+
+    def close(self):
+        self.reducer.close()
+
+
+def reset_residuals_note(state) -> str | None:
+    """What resetting the compressors saved in ``state`` loses (None: nothing)."""
+    saved = state.get("compressor", {}) if isinstance(state, dict) else {}
+    if isinstance(saved, dict) and (saved.get("scatter") or saved.get("gather")):
+        return ("error-feedback residuals are per rank and restart at zero (for a bit-exact "
+                "resume at the same world size, save optimizer.state_dict() on every rank "
+                "and load each rank's own file)")
+    return None
