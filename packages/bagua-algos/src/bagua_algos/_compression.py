@@ -14,11 +14,11 @@ unchanged and reset (with a warning) when it changes.
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
 import bagua_comm as bc
+from bagua_comm._compressed import padded_numel
 
 from ._comm import Reducer
 from ._state import export_flat, import_flat
@@ -47,13 +47,11 @@ def make_compressor(compressor, chunks: int, error_feedback: bool = False):
 
 def alignment(compressor, peers: int) -> int:
     """Elements a bucket is padded to so that ``compressed_allreduce`` needs no padding copy:
-    a multiple of the compressor's ``alignment(chunks)`` (and of the peer count)."""
+    the multiple it pads its input to (one unit of ``padded_numel``)."""
     chunks = getattr(compressor, "chunks", None)
-    if not isinstance(chunks, int) or chunks < 1:
-        chunks = 1
-    else:
-        chunks = compressor.alignment(chunks)   # the compressor's element multiple
-    return chunks * peers // math.gcd(chunks, peers)
+    if not isinstance(chunks, int) or chunks < 1 or chunks % peers:
+        return peers
+    return padded_numel(compressor, 1, peers)
 
 
 def check_chunks(compressor, peers: int, what: str) -> None:
@@ -83,10 +81,9 @@ class CompressorState:
         return state, None
 
     def _padded(self, bucket) -> int:
-        """Elements ``compressed_allreduce`` compresses for ``bucket`` (its scatter residual)."""
-        chunks = getattr(self.compressor, "chunks", None)
-        chunks = chunks if isinstance(chunks, int) and chunks >= 1 else self.peers.size
-        return -(-bucket.padded_numel // chunks) * chunks
+        """Elements ``compressed_allreduce`` compresses for ``bucket`` (its scatter residual):
+        bagua_comm's own formula, so residuals are exported at the offsets it uses."""
+        return padded_numel(self.compressor, bucket.padded_numel, self.peers.size)
 
     def _starts(self, buckets) -> list[int]:
         """Where this rank's gather segment starts in each bucket."""
