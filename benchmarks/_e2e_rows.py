@@ -18,15 +18,19 @@ import torch
 import torch.distributed as dist
 
 TORCH_ROWS = ("ddp", "ddp_fp16", "ddp_powersgd")
-HIERARCHICAL = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized")
+HIERARCHICAL = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized",
+                "topk")
 DEFAULT_ROWS = ["ddp", "ddp_fp16", "ddp_powersgd", "gradient_allreduce", "bytegrad",
                 "bytegrad_flat", "decentralized", "decentralized_shift_one",
-                "low_precision_decentralized", "async", "qadam", "local_sgd", "diloco"]
+                "low_precision_decentralized", "async", "qadam", "local_sgd", "diloco", "topk",
+                "low_rank"]
 SYNC_ROWS = ("local_sgd", "diloco")     # communicate every sync_every steps (sync_every_for)
 _VARIANTS = {  # row name: (registry name, fixed keyword arguments)
     "bytegrad_flat": ("bytegrad", {"hierarchical": False}),
     "decentralized": ("decentralized", {"peer_selection_mode": "all"}),
     "decentralized_shift_one": ("decentralized", {"peer_selection_mode": "shift_one"}),
+    "topk": ("topk", {"density": 0.01}),           # values 8-bit: see bagua_spec
+    "low_rank": ("low_rank", {"rank": 2}),         # as ddp_powersgd's default rank
 }
 
 
@@ -39,6 +43,10 @@ def bagua_spec(row: str, procs_per_host: int) -> tuple[str, dict]:
     """``(registry name, kwargs)`` of a bagua row."""
     name, kwargs = _VARIANTS.get(row, (row, {}))
     kwargs = dict(kwargs)
+    if row == "topk":     # 1% of the entries, values min-max 8-bit: bytes under PowerSGD's
+        from bagua_comm.compression import MinMaxUInt8
+
+        kwargs["compressor"] = MinMaxUInt8(1)
     if name in HIERARCHICAL and "hierarchical" not in kwargs:
         kwargs["hierarchical"] = procs_per_host > 1
     return name, kwargs
@@ -70,6 +78,10 @@ def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2,
         return f"every {async_interval_ms:g}ms"
     if row in SYNC_ROWS and sync_every:
         return f"H={sync_every}"
+    if row == "topk":
+        return f"1%, 8-bit values, EF, {'hier' if procs_per_host > 1 else 'flat'}"
+    if row == "low_rank":
+        return "rank 2, EF, warm"
     _name, kwargs = bagua_spec(row, procs_per_host)
     parts = []
     if "peer_selection_mode" in kwargs:

@@ -64,6 +64,13 @@ def test_diloco_example(tmp_path):
     assert ratio > 20          # 8 bits every 8 steps: ~32x fewer bytes than DDP
 
 
+def test_sparse_algorithm_example(tmp_path):
+    out = _torchrun("sparse_algorithm.py", tmp_path)
+    m = re.search(r"validation loss ([\d.]+) -> ([\d.]+)", out)
+    assert float(m.group(2)) < float(m.group(1))
+    assert "ranks identical: True" in out and "'0.weight'" in out
+
+
 def test_train_example_quick(tmp_path):
     out = _torchrun("train.py", tmp_path, "--algorithm", "bytegrad", "--backend", "gloo")
     before = float(re.search(r"before training val loss ([\d.]+)", out).group(1))

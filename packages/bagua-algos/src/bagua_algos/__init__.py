@@ -19,13 +19,15 @@ from .algorithms import (
     GradientAllReduce,
     LocalSGD,
     LowPrecisionDecentralized,
+    LowRank,
     QAdam,
     QAdamOptimizer,
+    TopK,
 )
 from .module import BaguaModule, with_bagua
 
 __all__ = [
     "Algorithm", "AlgorithmImpl", "AsyncModelAverage", "BaguaModule", "ByteGrad",
     "Decentralized", "DiLoCo", "GradientAllReduce", "LocalSGD", "LowPrecisionDecentralized",
-    "QAdam", "QAdamOptimizer", "__version__", "recommend", "with_bagua",
+    "LowRank", "QAdam", "QAdamOptimizer", "TopK", "__version__", "recommend", "with_bagua",
 ]

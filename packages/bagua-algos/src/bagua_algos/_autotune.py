@@ -30,6 +30,7 @@ import torch
 import bagua_comm as bc
 
 from ._autotune_search import Search, log_spaced_sizes
+from ._checks import check_bucket_size
 
 if TYPE_CHECKING:
     from .module import BaguaModule
@@ -126,14 +127,6 @@ def resolve_options(autotune) -> dict | None:
                          f"{sorted(set(knobs) - set(KNOWN_KNOBS))}; known: {list(KNOWN_KNOBS)}")
     opts["knobs"] = None if knobs is None else list(knobs)
     return opts
-
-
-def check_bucket_size(bucket_size, name: str = "bucket_size") -> int:
-    """``bucket_size`` as an int, or ``ValueError`` naming the rule."""
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
-        raise ValueError(f"{name} must be a positive integer number of bytes (e.g. "
-                         f"4 * 1024 * 1024), got {bucket_size!r}")
-    return bucket_size
 
 
 # -- knobs and configurations -------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The compressor an algorithm communicates through (``compressor=`` of ByteGrad,
-LowPrecisionDecentralized and QAdam), and its error-feedback state keyed by parameter.
+LowPrecisionDecentralized and QAdam), its error-feedback state keyed by parameter, and
+:class:`CompressedAllReduce` (the bucket allreduce ByteGrad and QAdam share).
 
 One compressor serves every bucket; each bucket's calls use the bucket's name as the
 compressor's ``key``.  ``bagua_comm.compressed_allreduce`` keeps a compressor's residuals under
@@ -13,12 +14,13 @@ unchanged and reset (with a warning) when it changes.
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
 import bagua_comm as bc
+from bagua_comm._compressed import padded_numel
 
+from ._comm import Reducer
 from ._state import export_flat, import_flat
 
 log = logging.getLogger(__name__)
@@ -45,13 +47,11 @@ def make_compressor(compressor, chunks: int, error_feedback: bool = False):
 
 def alignment(compressor, peers: int) -> int:
     """Elements a bucket is padded to so that ``compressed_allreduce`` needs no padding copy:
-    a multiple of the compressor's ``alignment(chunks)`` (and of the peer count)."""
+    the multiple it pads its input to (one unit of ``padded_numel``)."""
     chunks = getattr(compressor, "chunks", None)
-    if not isinstance(chunks, int) or chunks < 1:
-        chunks = 1
-    else:
-        chunks = compressor.alignment(chunks)   # the compressor's element multiple
-    return chunks * peers // math.gcd(chunks, peers)
+    if not isinstance(chunks, int) or chunks < 1 or chunks % peers:
+        return peers
+    return padded_numel(compressor, 1, peers)
 
 
 def check_chunks(compressor, peers: int, what: str) -> None:
@@ -81,10 +81,9 @@ class CompressorState:
         return state, None
 
     def _padded(self, bucket) -> int:
-        """Elements ``compressed_allreduce`` compresses for ``bucket`` (its scatter residual)."""
-        chunks = getattr(self.compressor, "chunks", None)
-        chunks = chunks if isinstance(chunks, int) and chunks >= 1 else self.peers.size
-        return -(-bucket.padded_numel // chunks) * chunks
+        """Elements ``compressed_allreduce`` compresses for ``bucket`` (its scatter residual):
+        bagua_comm's own formula, so residuals are exported at the offsets it uses."""
+        return padded_numel(self.compressor, bucket.padded_numel, self.peers.size)
 
     def _starts(self, buckets) -> list[int]:
         """Where this rank's gather segment starts in each bucket."""
@@ -148,3 +147,56 @@ class CompressorState:
                                               "error-feedback residuals", start=[lo]):
                     res[f"{b.name}/{tag}"] = buf
         self.compressor.load_state_dict({**state.get("compressor", {}), "residuals": res})
+
+
+def layout(buckets) -> list[list[str]]:
+    return [list(b.names) for b in buckets]
+
+
+class CompressedAllReduce:
+    """Flat or hierarchical compressed allreduce of buckets through one compressor, with its
+    state keyed by parameter (ByteGrad's and QAdam's)."""
+
+    def __init__(self, group, hierarchical: bool, compressor, *, average: bool = True,
+                 error_feedback: bool = False, name: str = "bagua-compressed"):
+        peers = group.num_nodes if hierarchical else group.size
+        check_chunks(compressor, peers, "compressor")      # before any communication
+        self.reducer = Reducer(group, hierarchical, name)
+        self.op = bc.ReduceOp.AVG if average else bc.ReduceOp.SUM
+        self.compressor = make_compressor(compressor, self.reducer.peers.size, error_feedback)
+        self.state = CompressorState(self.compressor, self.reducer.peers)
+        self.buckets = []
+
+    def alignment(self) -> int:
+        return alignment(self.compressor, self.reducer.peers.size)
+
+    def __call__(self, tensor, bucket):
+        """Start the allreduce of ``tensor`` (laid out like ``bucket``) in place."""
+        if tensor.numel() > bucket.numel:                   # padding: zero, not last decode
+            tensor[bucket.numel:].zero_()
+        return self.reducer.compressed_allreduce(tensor, self.compressor, bucket.name, self.op)
+
+    def state_dict(self) -> dict:
+        return {**self.state.export(self.buckets), "layout": layout(self.buckets)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.load(self.buckets, state, same_layout=state.get("layout") ==
+                        layout(self.buckets))
+
+    def share(self, state: dict) -> dict:
+        """Collective part of re-bucketing (see CompressorState.share_gather)."""
+        self.state.share_gather(self.buckets, state)
+        return state
+
+    def close(self):
+        self.reducer.close()
+
+
+def reset_residuals_note(state) -> str | None:
+    """What resetting the compressors saved in ``state`` loses (None: nothing)."""
+    saved = state.get("compressor", {}) if isinstance(state, dict) else {}
+    if isinstance(saved, dict) and (saved.get("scatter") or saved.get("gather")):
+        return ("error-feedback residuals are per rank and restart at zero (for a bit-exact "
+                "resume at the same world size, save optimizer.state_dict() on every rank "
+                "and load each rank's own file)")
+    return None

@@ -15,6 +15,7 @@ import bagua_comm as bc
 
 from . import _autotune, _consistency
 from ._bucket import BaguaBucket
+from ._checks import check_bucket_size
 from .algorithm import Algorithm, AlgorithmImpl, BaguaContext
 
 DEFAULT_BUCKET_SIZE = 10 * 1024 * 1024
@@ -47,7 +48,7 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
     bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
     if not isinstance(broadcast_buffers, bool):
         raise ValueError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
-    _autotune.check_bucket_size(bucket_size)
+    check_bucket_size(bucket_size)
     autotune = _autotune.resolve_options(autotune)     # validated before any communication
     rewrap = isinstance(model, BaguaModule)
     if rewrap:
@@ -114,12 +115,6 @@ def _broadcast_tensors(tensors: Iterable[torch.Tensor], group: bc.ProcessGroup) 
             for t in ts:
                 t.copy_(flat[off:off + t.numel()].view_as(t))
                 off += t.numel()
-
-
-def _check_bucket_size(bucket_size) -> None:
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
-        raise ValueError(f"bucket_size must be a positive int number of bytes (e.g. "
-                         f"{DEFAULT_BUCKET_SIZE} for 10 MiB), got {bucket_size!r}")
 
 
 def _flat_on_one_level(algorithm: Algorithm, group: bc.ProcessGroup) -> Algorithm:
@@ -238,7 +233,7 @@ class BaguaModule(torch.nn.Module):
         averages) is carried into the new buckets, so training continues as before;
         GradientAllReduce gives the same results as a run that never re-bucketed.
         """
-        _check_bucket_size(bucket_size)
+        check_bucket_size(bucket_size)
         if self._cb_queued or self._handles:
             raise RuntimeError("rebucket() was called during backward; call it between "
                                "steps (after optimizer.step(), before the next forward)")

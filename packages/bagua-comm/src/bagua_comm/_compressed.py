@@ -73,8 +73,7 @@ def compressed_allreduce(send, recv, op=ReduceOp.AVG, compressor=None, *, key="a
     if send.numel() == 0:
         return finish([], async_op=async_op)
     k = chunks // g.size
-    unit = _unit(compressor, chunks, k, g.size)
-    seg = -(-send.numel() // unit) * unit // g.size  # elements per rank's segment, padded
+    seg = padded_numel(compressor, send.numel(), g.size) // g.size  # per rank, padded
     sent = (compressor.payload_numel(seg * g.size, chunks=chunks) * (g.size - 1) // g.size
             + compressor.payload_numel(seg, chunks=k) * (g.size - 1))
     traffic.record("compressed_allreduce", sent)
@@ -85,6 +84,17 @@ def compressed_allreduce(send, recv, op=ReduceOp.AVG, compressor=None, *, key="a
         recv = recv.detach()
     return be.run(lambda: _run(be, send, recv, op, compressor, k, seg, key), (send, recv),
                   async_op)
+
+
+def padded_numel(compressor, numel: int, group_size: int) -> int:
+    """Elements :func:`compressed_allreduce` compresses for an input of ``numel`` over
+    ``group_size`` ranks (the input zero-padded to a multiple of :func:`_unit`): the one
+    formula for the collective and for whoever lays out its error-feedback residuals (the
+    ``<key>/scatter`` residual has this many elements, ``<key>/gather`` this over
+    ``group_size``)."""
+    chunks = compressor.chunks
+    unit = _unit(compressor, chunks, chunks // group_size, group_size)
+    return -(-numel // unit) * unit
 
 
 def _unit(compressor, chunks, k, n):

@@ -14,9 +14,11 @@ from .diloco import DiLoCo
 from .gradient_allreduce import GradientAllReduce
 from .local_sgd import LocalSGD
 from .low_precision_decentralized import LowPrecisionDecentralized
+from .low_rank import LowRank
 from .q_adam import QAdam, QAdamOptimizer
+from .topk import TopK
 
 __all__ = [
     "AsyncModelAverage", "ByteGrad", "Decentralized", "DiLoCo", "GradientAllReduce",
-    "LocalSGD", "LowPrecisionDecentralized", "QAdam", "QAdamOptimizer",
+    "LocalSGD", "LowPrecisionDecentralized", "LowRank", "QAdam", "QAdamOptimizer", "TopK",
 ]

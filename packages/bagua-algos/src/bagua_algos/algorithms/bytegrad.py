@@ -3,17 +3,8 @@ scatter-reduce-gather), hierarchical by default, with optional error feedback.""
 
 from __future__ import annotations
 
-import bagua_comm as bc
-
 from .._checks import check_bool
-from .._comm import Reducer
-from .._compression import (
-    CompressorState,
-    alignment,
-    check_chunks,
-    check_compressor,
-    make_compressor,
-)
+from .._compression import CompressedAllReduce, check_compressor, reset_residuals_note
 from ..algorithm import Algorithm, AlgorithmImpl
 
 
@@ -48,49 +39,6 @@ class ByteGrad(Algorithm, name="bytegrad"):
         return ByteGradImpl(group, self)
 
 
-def layout(buckets) -> list[list[str]]:
-    return [list(b.names) for b in buckets]
-
-
-class CompressedAllReduce:
-    """Flat or hierarchical compressed allreduce of buckets through one compressor, with its
-    state keyed by parameter (shared by ByteGrad and QAdam)."""
-
-    def __init__(self, group, hierarchical: bool, compressor, *, average: bool = True,
-                 error_feedback: bool = False, name: str = "bagua-compressed"):
-        peers = group.num_nodes if hierarchical else group.size
-        check_chunks(compressor, peers, "compressor")      # before any communication
-        self.reducer = Reducer(group, hierarchical, name)
-        self.op = bc.ReduceOp.AVG if average else bc.ReduceOp.SUM
-        self.compressor = make_compressor(compressor, self.reducer.peers.size, error_feedback)
-        self.state = CompressorState(self.compressor, self.reducer.peers)
-        self.buckets = []
-
-    def alignment(self) -> int:
-        return alignment(self.compressor, self.reducer.peers.size)
-
-    def __call__(self, tensor, bucket):
-        """Start the allreduce of ``tensor`` (laid out like ``bucket``) in place."""
-        if tensor.numel() > bucket.numel:                   # padding: zero, not last decode
-            tensor[bucket.numel:].zero_()
-        return self.reducer.compressed_allreduce(tensor, self.compressor, bucket.name, self.op)
-
-    def state_dict(self) -> dict:
-        return {**self.state.export(self.buckets), "layout": layout(self.buckets)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.state.load(self.buckets, state, same_layout=state.get("layout") ==
-                        layout(self.buckets))
-
-    def share(self, state: dict) -> dict:
-        """Collective part of re-bucketing (see CompressorState.share_gather)."""
-        self.state.share_gather(self.buckets, state)
-        return state
-
-    def close(self):
-        self.reducer.close()
-
-
 class ByteGradState:
     """ByteGrad's state: the compressed allreduce (its compressor's residuals)."""
 
@@ -99,16 +47,6 @@ class ByteGradState:
                                              average=algo.average,
                                              error_feedback=algo.error_feedback,
                                              name="bagua-bytegrad")
-
-
-def reset_residuals_note(state) -> str | None:
-    """What resetting the compressors saved in ``state`` loses (None: nothing)."""
-    saved = state.get("compressor", {}) if isinstance(state, dict) else {}
-    if isinstance(saved, dict) and (saved.get("scatter") or saved.get("gather")):
-        return ("error-feedback residuals are per rank and restart at zero (for a bit-exact "
-                "resume at the same world size, save optimizer.state_dict() on every rank "
-                "and load each rank's own file)")
-    return None
 
 
 class ByteGradImpl(AlgorithmImpl):

@@ -10,9 +10,8 @@ import torch
 import bagua_comm as bc
 
 from .._checks import check_bool
-from .._compression import check_compressor
+from .._compression import CompressedAllReduce, check_compressor, reset_residuals_note
 from ..algorithm import Algorithm, AlgorithmImpl
-from .bytegrad import CompressedAllReduce, reset_residuals_note
 
 
 class QAdamOptimizer(torch.optim.Optimizer):

@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""TopK and LowRank on sklearn's digits: held-out accuracy against DDP's (2 ranks).
+
+    python benchmarks/sparse_digits.py --seeds 3
+
+2 gloo ranks, the conv net of ``qadam_digits.py`` (Bagua's MNIST example sized for 8x8
+digits), Adam lr 1e-3, batch 64 per rank, 14 epochs, the same weights and batches for every
+row of a seed.  Rows: ``ddp`` (GradientAllReduce, which is DDP bit for bit), ``topk`` (1% of
+the entries per parameter, 8-bit values, as the main job's ``topk`` row), ``topk_fp`` (1%,
+values in float32), ``low_rank`` (rank 2).  Prints correct/450 per seed and row, the mean,
+and each row's mean difference from ``ddp`` in accuracy points (target: within 1 point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import qadam_digits  # noqa: E402
+from qadam_digits import BATCH, WORLD, Net, batches, data, evaluate  # noqa: E402
+
+LR = 1e-3
+ROWS = ("ddp", "topk", "topk_fp", "low_rank")
+
+
+def algorithm(row, density):
+    from bagua_algos import GradientAllReduce, LowRank, TopK
+    from bagua_comm.compression import MinMaxUInt8
+
+    return {"ddp": lambda: GradientAllReduce(),
+            "topk": lambda: TopK(density=density, compressor=MinMaxUInt8(1)),
+            "topk_fp": lambda: TopK(density=density),
+            "low_rank": lambda: LowRank(rank=2)}[row]()
+
+
+def _rank_main(seeds, rows, opt_name, lr, epochs, density):
+    import bagua_comm as bc
+    from bagua_algos import with_bagua
+
+    qadam_digits.EPOCHS = epochs
+    xtr, ytr, xte, yte = data()
+    rank = bc.get_rank()
+    out = {}
+    for seed in seeds:
+        for row in rows:
+            torch.manual_seed(seed)
+            model = Net()
+            opt = (torch.optim.Adam(model.parameters(), lr=lr) if opt_name == "adam" else
+                   torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+            model = with_bagua(model, [opt], algorithm(row, density))
+            torch.manual_seed(seed * 7 + rank)       # dropout differs per rank
+            for idx in batches(seed, len(xtr)):
+                opt.zero_grad()
+                F.nll_loss(model(xtr[idx[rank]]), ytr[idx[rank]]).backward()
+                opt.step()
+            model.detach_algorithm()
+            out[(seed, row)] = evaluate(model.module, xte, yte)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    ap.add_argument("--lr", type=float, help="default: 1e-3 (adam), 0.05 (sgd, momentum 0.9)")
+    ap.add_argument("--epochs", type=int, default=14)
+    ap.add_argument("--density", type=float, default=0.01, help="topk rows' density")
+    args = ap.parse_args(argv)
+    from bagua_comm.testing import run_ranks
+
+    seeds = list(range(args.seeds))
+    rows = [r for r in args.rows.split(",") if r]
+    if "ddp" not in rows:
+        rows.insert(0, "ddp")
+    lr = args.lr or (LR if args.optimizer == "adam" else 0.05)
+    res = run_ranks(_rank_main, WORLD, args=(seeds, rows, args.optimizer, lr, args.epochs,
+                                             args.density), timeout=3600)[0]
+    n = len(data()[3])
+    print(f"batch {BATCH} per rank x {WORLD} ranks, {args.epochs} epochs, {args.optimizer} lr "
+          f"{lr}, topk density {args.density}; correct/{n} per seed")
+    print(f"{'row':10s} " + " ".join(f"seed{s:<3d}" for s in seeds) + "   mean%   vs ddp")
+    base = sum(res[(s, "ddp")][1] for s in seeds) / len(seeds) / n * 100
+    for row in rows:
+        acc = sum(res[(s, row)][1] for s in seeds) / len(seeds) / n * 100
+        print(f"{row:10s} " + " ".join(f"{res[(s, row)][1]:<7d}" for s in seeds)
+              + f"  {acc:6.2f}  {acc - base:+6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""LowRank: PowerSGD-style rank-r compression of each weight matrix's gradient, with error
+feedback and warm start; its state is keyed by parameter name."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+
+import bagua_comm as bc
+
+from .._checks import check_bool, check_int_at_least
+from .._comm import Reducer
+from ..algorithm import Algorithm, AlgorithmImpl
+
+
+class LowRank(Algorithm, name="low_rank"):
+    """Low-rank gradient compression (PowerSGD, Vogels et al. 2019) per weight matrix.
+
+    Each gradient of two or more dimensions is viewed as an ``n x m`` matrix ``M`` (conv
+    weights: ``out_channels x rest``) plus this rank's error-feedback residual.  With ``Q``
+    (``m x r``, the same on every rank): ``P = M Q``; allreduce ``P``; orthogonalise ``P``;
+    ``Q = Mᵀ P``; allreduce ``Q``; the gradient becomes ``M̂ = P Qᵀ`` and ``M - M̂`` is kept for
+    the next step.  A matrix is compressed when ``n m >= min_compression_rate * r (n + m)``
+    (``r = min(rank, n, m)``); vectors, biases and matrices where rank ``r`` saves too little
+    travel uncompressed in the first allreduce.  ``warm_start=True`` reuses last step's ``Q``
+    (one power iteration per step, accumulating over steps); ``False`` draws a fresh one
+    from ``seed`` each step.
+
+    Every rank computes ``M̂`` from the same allreduced ``P`` and ``Q``, so ranks stay
+    bit-identical.  Both allreduces of a bucket run one after the other on a background
+    thread while backward continues.  ``Q`` factors (shared) and residuals (per rank) are
+    checkpointed by parameter name; a resume at another world size keeps ``Q`` and starts
+    the residuals at zero.
+    """
+
+    def __init__(self, rank: int = 2, warm_start: bool = True,
+                 min_compression_rate: float = 2.0, average: bool = True, seed: int = 0):
+        check_int_at_least("rank", rank, 1)
+        check_bool("warm_start", warm_start)
+        check_bool("average", average)
+        if isinstance(min_compression_rate, bool) or not isinstance(
+                min_compression_rate, (int, float)) or not math.isfinite(
+                min_compression_rate) or min_compression_rate < 0:
+            raise ValueError(f"min_compression_rate must be a finite number >= 0 (compress a "
+                             f"matrix only where it shrinks at least this much), got "
+                             f"{min_compression_rate!r}")
+        check_int_at_least("seed", seed, 0)
+        self.rank = rank
+        self.warm_start = warm_start
+        self.min_compression_rate = float(min_compression_rate)
+        self.average = average
+        self.seed = seed
+
+    def reify(self, group):
+        return LowRankImpl(group, self)
+
+
+def matrix_shape(p: torch.Tensor) -> tuple[int, int] | None:
+    """``(n, m)`` of the matrix a parameter's gradient is viewed as (None: a vector)."""
+    if p.dim() < 2:
+        return None
+    return p.shape[0], p.numel() // p.shape[0]
+
+
+def initial_q(name: str, m: int, r: int, seed: int, draw: int, device) -> torch.Tensor:
+    """A standard normal ``m x r`` factor, the same on every rank: seeded by the parameter's
+    name (not its bucket), ``seed`` and ``draw`` (the step, without warm start)."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()) * 7919
+                                         + draw) % 2 ** 63)
+    return torch.randn(m, r, generator=gen).to(device)
+
+
+def orthogonalize(p: torch.Tensor) -> None:
+    """Orthonormalise ``p``'s columns in place: Householder QR (stable where P is
+    ill-conditioned, as it is near full rank); one column is just normalised (a zero
+    column stays zero).  Deterministic, so identical input gives identical output on every
+    rank."""
+    if p.shape[1] == 1:
+        norm = torch.linalg.vector_norm(p)
+        p.mul_(torch.where(norm > 0, 1 / norm, torch.zeros_like(norm)))
+    else:
+        p.copy_(torch.linalg.qr(p).Q)
+
+
+class _Slot:
+    __slots__ = ("m", "n", "name", "offset", "r")
+
+    def __init__(self, name, offset, n, m, r):
+        self.name, self.offset, self.n, self.m, self.r = name, offset, n, m, r
+
+
+class LowRankImpl(AlgorithmImpl):
+    def __init__(self, group, algo: LowRank):
+        super().__init__(group)
+        self.algo = algo
+        self.op = bc.ReduceOp.AVG if algo.average else bc.ReduceOp.SUM
+        self.reducer = Reducer(group, False, "bagua-low-rank")
+        self.plans: list[tuple[list[_Slot], list[tuple[int, int]]]] = []
+        self.q: dict[str, torch.Tensor] = {}           # shared by every rank
+        self.residuals: dict[str, torch.Tensor] = {}   # this rank's
+        self.rounds = 0                                # synchronised steps so far
+        self.device = torch.device("cpu")
+
+    def init_operations(self, ctx, buckets):
+        self.plans = [self.plan(b) for b in buckets]
+        self.device = buckets[0].device if buckets else torch.device("cpu")
+
+    def plan(self, bucket):
+        """The bucket's compressed matrices and its uncompressed ``(offset, numel)`` runs."""
+        matrices, plain = [], []
+        for name, p, off in zip(bucket.names, bucket.params, bucket.offsets):
+            shape = matrix_shape(p)
+            if shape is not None:
+                n, m = shape
+                r = min(self.algo.rank, n, m)
+                if n * m >= self.algo.min_compression_rate * r * (n + m):
+                    matrices.append(_Slot(name, off, n, m, r))
+                    continue
+            plain.append((off, p.numel()))
+        return matrices, plain
+
+    def bucket_ready_hook(self, ctx, bucket):
+        if self.group.size == 1:
+            return None
+        tensor, plan = bucket.grad, self.plans[bucket.index]
+        return self.reducer.exchange(lambda: self.exchange(tensor, plan))
+
+    def _factor(self, s: _Slot, device) -> torch.Tensor:
+        q = self.q.get(s.name)
+        if q is None or not self.algo.warm_start or q.shape != (s.m, s.r):
+            draw = 0 if self.algo.warm_start else self.rounds
+            q = initial_q(s.name, s.m, s.r, self.algo.seed, draw, device)
+        return q
+
+    def exchange(self, tensor: torch.Tensor, plan) -> None:
+        """Blocking: ``tensor`` <- its low-rank average (matrices) and exact average (rest)."""
+        matrices, plain = plan
+        dev, g = tensor.device, self.group
+        plain_numel = sum(k for _, k in plain)
+        p_numel = plain_numel + sum(s.n * s.r for s in matrices)
+        first = torch.empty(p_numel, dtype=torch.float32, device=dev)
+        pos = 0
+        for off, k in plain:
+            first[pos:pos + k].copy_(tensor[off:off + k])
+            pos += k
+        ms, ps, qs = [], [], []
+        for s in matrices:
+            res = self.residuals.get(s.name)
+            if res is None or res.shape != (s.n, s.m):
+                res = torch.zeros(s.n, s.m, dtype=torch.float32, device=dev)
+                self.residuals[s.name] = res
+            m = res.add_(tensor[s.offset:s.offset + s.n * s.m].view(s.n, s.m))  # M, in place
+            p = first[pos:pos + s.n * s.r].view(s.n, s.r)
+            torch.matmul(m, self._factor(s, dev), out=p)
+            pos += s.n * s.r
+            ms.append(m)
+            ps.append(p)
+        bc.allreduce_inplace(first, self.op, group=g)
+        pos = 0
+        for off, k in plain:
+            tensor[off:off + k].copy_(first[pos:pos + k])
+            pos += k
+        if not matrices:
+            return
+        second = torch.empty(sum(s.m * s.r for s in matrices), dtype=torch.float32, device=dev)
+        pos = 0
+        for s, m, p in zip(matrices, ms, ps):
+            orthogonalize(p)
+            q = second[pos:pos + s.m * s.r].view(s.m, s.r)
+            torch.matmul(m.t(), p, out=q)
+            qs.append(q)
+            pos += s.m * s.r
+        bc.allreduce_inplace(second, self.op, group=g)
+        for s, m, p, q in zip(matrices, ms, ps, qs):
+            approx = p @ q.t()
+            m.sub_(approx)                       # residual: what this rank's M̂ missed
+            tensor[s.offset:s.offset + s.n * s.m].view(s.n, s.m).copy_(approx)
+            self.q[s.name] = q.clone()
+
+    def post_backward_hook(self, ctx):
+        self.rounds += 1
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self):
+        return {"q": {k: v.clone() for k, v in self.q.items()},
+                "residuals": {k: v.clone() for k, v in self.residuals.items()},
+                "rounds": self.rounds}
+
+    def load_state_dict(self, state):
+        self._load_shared(state)
+        self.residuals = {k: v.detach().float().to(self.device, copy=True)
+                          for k, v in state["residuals"].items()}
+
+    def _load_shared(self, state):
+        self.rounds = int(state["rounds"])
+        self.q = {k: v.detach().float().to(self.device, copy=True)
+                  for k, v in state["q"].items()}
+
+    def load_foreign_state_dict(self, state, *, world_size, rank):
+        # Q is the same on every rank; a residual is one rank's unsent error.
+        self._load_shared(state)
+        self.residuals = {}
+        if any(t.any() for t in state.get("residuals", {}).values()):
+            return "error-feedback residuals are per rank and restart at zero (Q is kept)"
+        return None
+
+    def shutdown(self):
+        self.reducer.close()

@@ -1,0 +1,189 @@
+"""TopK: each rank sends only its largest-magnitude gradient entries (with error feedback);
+the sparse vectors are exchanged by allgather and summed identically on every rank."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import bagua_comm as bc
+
+from .._checks import check_bool
+from .._comm import Reducer
+from .._compression import check_compressor
+from .._state import export_flat, import_flat
+from ..algorithm import Algorithm, AlgorithmImpl
+
+
+def check_density(density) -> float:
+    if isinstance(density, bool) or not isinstance(density, (int, float)) \
+            or not math.isfinite(density) or not 0 < density <= 1:
+        raise ValueError(f"density must be a number in (0, 1] (the fraction of gradient "
+                         f"entries each rank sends, e.g. 0.01), got {density!r}")
+    return float(density)
+
+
+class TopK(Algorithm, name="topk"):
+    """Sparse gradient allreduce: each rank sends the ``density`` fraction of its gradient
+    entries with the largest magnitude; what it did not send is kept (error feedback) and
+    added to its next gradient.
+
+    Selection is per parameter (``ceil(density * numel)`` entries of each, at least one), so
+    the maths does not depend on the bucket size.  Indices (int32) and values travel by
+    allgather, one pair per bucket; every rank adds the gathered vectors in rank order into
+    the same dense average, so ranks stay bit-identical.  ``density=1.0`` is the plain
+    average (bit for bit GradientAllReduce's at two ranks).
+
+    ``compressor`` (any ``bagua_comm.compression.Compressor`` without its own error
+    feedback, e.g. ``MinMaxUInt8(1)``) quantises the values; ``None`` sends them in the
+    gradient's dtype.  The error feedback then keeps the quantisation error too.
+    ``hierarchical=True`` averages inside each node in full precision and runs TopK among
+    node leaders.
+    """
+
+    def __init__(self, density: float = 0.01, hierarchical: bool = False,
+                 average: bool = True, compressor=None):
+        self.density = check_density(density)
+        check_bool("hierarchical", hierarchical)
+        check_bool("average", average)
+        check_compressor(compressor)
+        if getattr(compressor, "error_feedback", False):
+            raise ValueError("compressor must not keep its own error feedback under TopK "
+                             "(TopK's residual already carries the quantisation error): "
+                             "build it with error_feedback=False")
+        self.hierarchical = hierarchical
+        self.average = average
+        self.compressor = compressor
+
+    def reify(self, group):
+        return TopKImpl(group, self)
+
+
+def plan(bucket, density: float) -> list[tuple[int, int, int]]:
+    """``(offset, numel, k)`` per parameter of ``bucket``: its top-``k`` entries are sent."""
+    return [(off, p.numel(), min(p.numel(), max(1, math.ceil(density * p.numel()))))
+            for off, p in zip(bucket.offsets, bucket.params)]
+
+
+def select(corrected: torch.Tensor, slots, indices: torch.Tensor) -> None:
+    """Write into ``indices`` the positions of each slot's ``k`` largest ``|corrected|``."""
+    pos = 0
+    for off, n, k in slots:
+        if k == n:
+            torch.arange(off, off + n, out=indices[pos:pos + k])
+        else:
+            idx = torch.topk(corrected[off:off + n].abs(), k, sorted=False).indices
+            indices[pos:pos + k].copy_(idx.add_(off))
+        pos += k
+
+
+class TopKImpl(AlgorithmImpl):
+    def __init__(self, group, algo: TopK):
+        super().__init__(group)
+        self.density = algo.density
+        self.op_average = algo.average
+        self.compressor = algo.compressor
+        self.reducer = Reducer(group, algo.hierarchical, "bagua-topk")
+        self.buckets = []
+        self.residuals: list[torch.Tensor] = []
+        self.slots: list[list[tuple[int, int, int]]] = []
+
+    def init_operations(self, ctx, buckets):
+        self.buckets = buckets
+        self.slots = [plan(b, self.density) for b in buckets]
+        self.residuals = [torch.zeros(b.padded_numel, dtype=torch.float32, device=b.device)
+                          for b in buckets]
+
+    def bucket_ready_hook(self, ctx, bucket):
+        tensor, i = bucket.grad, bucket.index
+
+        def among(t, g):
+            self.exchange(t, i, g)
+
+        return self.reducer.runner.submit(
+            lambda: self.reducer.reduce_with(tensor, among, self.op_average))
+
+    # -- the sparse exchange ------------------------------------------------------------------
+    def _values_payload(self, values: torch.Tensor, dtype, key: str):
+        """Quantise ``values`` with the compressor: (payload, what the peers will decode)."""
+        c = self.compressor
+        chunks = getattr(c, "chunks", 1)
+        chunks = chunks if isinstance(chunks, int) and chunks >= 1 else 1
+        unit = c.alignment(chunks)
+        padded = -(-values.numel() // unit) * unit
+        x = values.new_zeros(padded, dtype=dtype)
+        x[:values.numel()] = values
+        size = c.payload_numel(padded, chunks=chunks)
+        payload = c.compress(x, chunks=chunks, key=key)
+        if (not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8
+                or payload.numel() != size):
+            raise ValueError(f"compressor {type(c).__name__}.compress() of {padded} values "
+                             f"did not return the uint8 tensor of payload_numel()={size} "
+                             "bytes it promised; every rank must send the same size")
+        return payload, (chunks, padded)
+
+    def _decode(self, payload, shape, dtype, device) -> torch.Tensor:
+        chunks, padded = shape
+        out = torch.empty(padded, dtype=torch.float32, device=device)
+        return self.compressor.decompress(payload, out, chunks=chunks, dtype=dtype)
+
+    def exchange(self, tensor: torch.Tensor, i: int, g: bc.ProcessGroup) -> None:
+        """Blocking: ``tensor`` <- the average (sum) over ``g`` of every member's top-k."""
+        b, slots, residual = self.buckets[i], self.slots[i], self.residuals[i]
+        n, numel, dev, dtype = g.size, b.numel, tensor.device, tensor.dtype
+        k = sum(s[2] for s in slots)
+        residual.add_(tensor)                          # corrected gradient, in place
+        index_dtype = torch.int32 if numel < 2 ** 31 else torch.int64
+        indices = torch.empty(k, dtype=index_dtype, device=dev)
+        select(residual, slots, indices)
+        values = residual[indices]
+        all_idx = torch.empty(n * k, dtype=index_dtype, device=dev)
+        works = [bc.allgather(indices, all_idx, group=g, async_op=True)]
+        if self.compressor is None:
+            sent = values.to(dtype)
+            all_vals = torch.empty(n * k, dtype=dtype, device=dev)
+            works.append(bc.allgather(sent, all_vals, group=g, async_op=True))
+            sent = sent.float()
+        else:
+            payload, shape = self._values_payload(values, dtype, b.name)
+            all_vals = torch.empty(n * payload.numel(), dtype=torch.uint8, device=dev)
+            works.append(bc.allgather(payload, all_vals, group=g, async_op=True))
+            sent = self._decode(payload, shape, dtype, dev)[:k]
+        residual.index_add_(0, indices, sent, alpha=-1)   # error feedback: keep what was not sent
+        dense = torch.zeros(numel, dtype=torch.float32, device=dev)
+        for w in works:
+            w.wait()
+        all_idx = all_idx.view(n, k)
+        for r in range(n):                             # rank order: the same sum everywhere
+            if self.compressor is None:
+                vals = all_vals[r * k:(r + 1) * k].float()
+            else:
+                size = all_vals.numel() // n
+                vals = self._decode(all_vals[r * size:(r + 1) * size], shape, dtype, dev)[:k]
+            dense.index_add_(0, all_idx[r], vals)
+        if self.op_average:
+            dense.div_(n)
+        tensor[:numel].copy_(dense)
+        tensor[numel:].zero_()
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self):
+        return {"residuals": export_flat(self.buckets, self.residuals)}
+
+    def load_state_dict(self, state):
+        saved = state.get("residuals", {})
+        for r in self.residuals:
+            r.zero_()
+        import_flat(self.buckets, self.residuals, saved, "TopK residuals")
+
+    def load_foreign_state_dict(self, state, *, world_size, rank):
+        # A residual is one rank's unsent gradient: another rank's would be sent twice.
+        for r in self.residuals:
+            r.zero_()
+        if any(t.any() for t in state.get("residuals", {}).values()):
+            return "error-feedback residuals are per rank and restart at zero"
+        return None
+
+    def shutdown(self):
+        self.reducer.close()
