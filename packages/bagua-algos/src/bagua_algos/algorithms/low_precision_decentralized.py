@@ -189,7 +189,8 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         self._owed, self._stepped = ctx.step, set()
         if not self._communicates(ctx.step):
             return
-        grads = [p.grad for b in self.buckets for p in b.params if p.grad is not None]
+        grads = [p.grad for b in self.buckets for p in b.params
+                 if p.grad is not None and p.grad.numel()]
         if grads and not bool(torch.stack(torch._foreach_norm(grads, float("inf")))
                               .isfinite().all()):
             self._round(ctx.step)
