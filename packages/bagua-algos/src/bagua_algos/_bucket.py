@@ -12,6 +12,26 @@ def _same_storage(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     return a is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """True when ``t``'s elements fill ``t.numel()`` consecutive storage slots (a
+    contiguous tensor, or a permutation of one: channels_last, transposed)."""
+    expected = 1
+    for size, stride in sorted((d for d in zip(t.shape, t.stride()) if d[0] != 1),
+                               key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 class BaguaBucket:
     """Parameters of one dtype and device, with flat ``grad`` (and ``weight``) buffers.
 
@@ -64,14 +84,30 @@ class BaguaBucket:
 
     def _init_weights(self) -> None:
         if self.flatten:   # the parameters themselves become views of the weight buffer
-            self._weights = Bucket(self.params, alignment=self._alignment,
-                                   name=f"{self.name}.weight")
-            self.weight = self._weights.buffer
-            self._weight_views = [self._weights.slice(i).view(p.shape)
-                                  for i, p in enumerate(self.params)]
+            self._flatten_weights()
             return
         self._ensure_weight()
         self.gather_weights()
+
+    def _flatten_weights(self) -> None:
+        """Make every parameter a view of one flat weight buffer, keeping its strides (a
+        channels_last or transposed parameter stays so, as under DDP): a dense parameter's
+        slice holds its elements in memory order; any other becomes contiguous."""
+        self.weight = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        storage = self.weight.untyped_storage()
+        self._weight_views = []
+        with torch.no_grad():
+            for p, off in zip(self.params, self.offsets):
+                n = p.numel()
+                if n and _dense(p):
+                    stride = p.stride()
+                    memory_order = p.as_strided((n,), (1,), p.storage_offset())
+                else:
+                    stride = _contiguous_strides(p.shape)
+                    memory_order = p.reshape(-1)
+                self.weight[off:off + n].copy_(memory_order)
+                p.set_(storage, off, p.shape, stride)
+                self._weight_views.append(self.weight.as_strided(p.shape, stride, off))
 
     @property
     def nbytes(self) -> int:

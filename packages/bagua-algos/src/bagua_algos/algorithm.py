@@ -174,7 +174,8 @@ class AlgorithmImpl:
             open_.setdefault(key, [])
             nbytes = t.numel() * t.element_size()
             first = key not in started and bucket_size > FIRST_BUCKET_SIZE
-            if not first and open_[key] and sizes[key] + nbytes > bucket_size:
+            # a zero-size tensor joins the open bucket: never one of its own
+            if not first and open_[key] and nbytes and sizes[key] + nbytes > bucket_size:
                 close(key)                   # this tensor would overfill the bucket
             open_[key].append(t)
             sizes[key] = sizes.get(key, 0) + nbytes

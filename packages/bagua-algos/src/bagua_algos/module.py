@@ -210,7 +210,10 @@ class BaguaModule(torch.nn.Module):
         return self._bucket_size
 
     def _make_buckets(self, tensors, bucket_size) -> list[BaguaBucket]:
-        groups = self.impl.tensors_to_buckets(tensors, bucket_size)
+        # a group of zero-size tensors only has nothing to communicate (and compressors need
+        # a positive length): its tensors stay out of the buckets, as unused ones would
+        groups = [g for g in self.impl.tensors_to_buckets(tensors, bucket_size)
+                  if any(t.numel() for t in g)]
         align = self.impl.bucket_alignment()
         name_of = {id(t): n for t, n in zip(self._tensors, self._names)}
         return [BaguaBucket(i, ps, alignment=align, flatten=self.do_flatten,

@@ -99,6 +99,10 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         self.state = LowPrecisionDecentralizedState(make_compressor(algo.compressor, 1))
         self._resync = False          # replicas to re-derive from the neighbours (resume)
         self._mine_from_weights = False
+        # one round per training step: the step whose backward ended and whose round has not
+        # run yet, and the optimizers that stepped since
+        self._owed: int | None = None
+        self._stepped: set[int] = set()
 
     def bucket_alignment(self) -> int:
         return alignment(self.state.compressor, 1)
@@ -112,6 +116,8 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         self.state.build(buckets)
 
     def forward_pre_hook(self, ctx):
+        if self._owed is not None:     # not every optimizer stepped: the round runs now
+            self._round(self._owed)
         if self._mine_from_weights:    # a checkpoint that did not cover every parameter
             self._mine_from_weights = False
             with torch.no_grad():
@@ -168,8 +174,36 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
             comp.decompress(buf, q)
             replica.add_(q)
 
+    # One round per training step, whatever the optimizers do: a backward owes a round, run
+    # after every optimizer in the list has stepped; else at the end of backward when a
+    # gradient is not finite (a GradScaler will skip this rank's step, maybe on this rank
+    # only: the peers' rounds must still find this one); else at the next forward.  Every
+    # rank therefore runs the same rounds in the same order.
+    def post_backward_hook(self, ctx):
+        if self._owed is not None:     # a backward without a step in between
+            self._round(self._owed)
+        self._owed, self._stepped = ctx.step, set()
+        if not self._communicates(ctx.step):
+            return
+        grads = [p.grad for b in self.buckets for p in b.params
+                 if p.grad is not None and p.grad.numel()]
+        if grads and not bool(torch.stack(torch._foreach_norm(grads, float("inf")))
+                              .isfinite().all()):
+            self._round(ctx.step)
+
     def post_optimizer_step_hook(self, ctx, optimizer):
-        if (ctx.step - 1) % self.interval:
+        if self._owed is None:
+            return
+        self._stepped.add(id(optimizer))
+        if all(id(opt) in self._stepped for opt in ctx.optimizers):
+            self._round(self._owed)
+
+    def _communicates(self, step: int) -> bool:
+        return (step - 1) % self.interval == 0
+
+    def _round(self, step: int) -> None:
+        self._owed, self._stepped = None, set()
+        if not self._communicates(step):
             return
         with torch.no_grad():
             for i, b in enumerate(self.buckets):
