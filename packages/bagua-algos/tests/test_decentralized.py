@@ -224,6 +224,8 @@ class _FreshTensors(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if getattr(func, "__name__", "") == "__get__":     # reading p.grad allocates nothing
+            return out
         flat = torch.utils._pytree.tree_leaves((args, kwargs))
         known = {t.untyped_storage().data_ptr() for t in flat if isinstance(t, torch.Tensor)}
         for t in torch.utils._pytree.tree_leaves(out):
