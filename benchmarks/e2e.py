@@ -303,7 +303,7 @@ def run_bandwidth(bw, args, launcher: Launcher, progress, console,
         runs.append(r)
         msg = (f"{r['samples_per_s']:.1f} samples/s, loss {r['loss']:.3f}"
                if r["status"] == "ok" else f"{r['status']}: {r.get('reason')}")
-        console.log(f"{label} {a}: {msg}")
+        console.log(f"{label} {a}: {msg}", markup=False)   # reasons quote logs with [brackets]
     return runs
 
 

@@ -413,8 +413,9 @@ class BaguaModule(torch.nn.Module):
         return none_before
 
     def _start_unused_check(self, none_before):
-        """After every bucket started (the same order on every rank): reduce the flags with
-        MAX, so that each rank knows which tensors no rank gave a gradient."""
+        """After every bucket's communication completed (the same order on every rank):
+        reduce the flags with MAX, so that each rank knows which tensors no rank gave a
+        gradient."""
         if self.group.size == 1:
             return _Done() if none_before else None
         return bc.allreduce_inplace(self._unused_flags, bc.ReduceOp.MAX, group=self.group,
@@ -438,11 +439,15 @@ class BaguaModule(torch.nn.Module):
             grads = self.impl.uses_grad_buckets
             none_before = self._missing_grads() if grads else None
             self._launch(force=True)
-            if grads:
-                check = (self._start_unused_check(none_before), none_before)
             for _, handle in self._handles:
                 if handle is not None:
                     handle.wait()
+            # Only after every bucket's communication is done: an algorithm may run a chain of
+            # blocking collectives on the group from its own thread (LowRank's P then Q, the
+            # sparse allgathers), and a collective issued beside it would interleave in a
+            # different order on different ranks (gloo: "collective mismatch", exit -6).
+            if grads:
+                check = (self._start_unused_check(none_before), none_before)
             if self._comm_stream is not None:     # GPU: order, don't block the host
                 torch.cuda.current_stream(self._comm_stream.device).wait_stream(
                     self._comm_stream)
