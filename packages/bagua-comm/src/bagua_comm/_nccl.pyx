@@ -57,7 +57,8 @@ _symbols = {}
 REQUIRED = ("ncclGetVersion", "ncclGetErrorString", "ncclGetUniqueId")
 # The rest, with the NCCL release that introduced each (for the missing-symbol message).
 OPTIONAL = {
-    "ncclGetLastError": "2.13", "ncclCommInitRank": "2.0", "ncclCommInitRankConfig": "2.14", "ncclCommDestroy": "2.0",
+    "ncclGetLastError": "2.13", "ncclCommInitRank": "2.0", "ncclCommInitRankConfig": "2.14",
+    "ncclCommDestroy": "2.0",
     "ncclCommAbort": "2.4", "ncclCommGetAsyncError": "2.4", "ncclCommCount": "2.0",
     "ncclCommUserRank": "2.0", "ncclAllReduce": "2.0", "ncclReduce": "2.0",
     "ncclBroadcast": "2.0", "ncclAllGather": "2.0", "ncclReduceScatter": "2.0",
@@ -267,7 +268,6 @@ def group_end(comm=None):
         comm._ready()
         return
     _check(st)
-
 
 
 cdef class NcclCommunicator:
