@@ -29,7 +29,8 @@ import nox
 ROOT = Path(__file__).parent
 PACKAGES = ["bagua-comm", "bagua-algos", "bagua-optim", "bagua-data", "bagua-net"]
 # Siblings each package needs, installed by path before it (DESIGN.md section 2).
-SIBLINGS = {"bagua-algos": ["bagua-comm"]}
+# bagua-optim is bagua-algos' optional extra; its tests use it (QAdam with fuse_optimizer).
+SIBLINGS = {"bagua-algos": ["bagua-comm", "bagua-optim"]}
 TORCH = os.environ.get("BAGUA_NOX_TORCH", "torch==2.13.0")
 # The NCCL wheel loads without a GPU: with it, the binding's CPU-side tests (library, version,
 # unique ids, error strings, the plugin check) run in CI instead of skipping. BAGUA_NOX_NCCL=0

@@ -59,7 +59,7 @@ class LowRank(Algorithm, name="low_rank"):
 
 def matrix_shape(p: torch.Tensor) -> tuple[int, int] | None:
     """``(n, m)`` of the matrix a parameter's gradient is viewed as (None: a vector)."""
-    if p.dim() < 2:
+    if p.dim() < 2 or p.numel() == 0:       # vectors, and zero-size tensors: nothing to factor
         return None
     return p.shape[0], p.numel() // p.shape[0]
 
