@@ -27,7 +27,14 @@ from __future__ import annotations
 
 import torch
 
-from .compression import _KINDS, HEADER_BYTES, RECORD_ALIGN, Compressor, header_bytes
+from .compression import (
+    _KINDS,
+    HEADER_BYTES,
+    RECORD_ALIGN,
+    Compressor,
+    _ResidualsByKey,
+    header_bytes,
+)
 
 LEVELS = 15
 EPS = 1e-7
@@ -45,7 +52,7 @@ def _params(mins: torch.Tensor, maxs: torch.Tensor):
     return scale, upper, upper - LEVELS
 
 
-class MinMaxUInt4(Compressor):
+class MinMaxUInt4(_ResidualsByKey, Compressor):
     """4-bit min-max quantisation in ``chunks`` chunks: about 1/8 of float32's bytes.
 
     Args:
@@ -137,28 +144,6 @@ class MinMaxUInt4(Compressor):
             _decode(payload.reshape(-1), tmp, chunks, dtype)
             out.view(-1).copy_(tmp)
         return out
-
-    # -- error-feedback state -----------------------------------------------------------------
-    def residual(self, key: str = "default") -> torch.Tensor | None:
-        r = self._residuals.get(key)
-        return None if r is None else r.clone()
-
-    def reset_residuals(self) -> None:
-        self._residuals.clear()
-
-    def state_dict(self) -> dict:
-        return {"chunks": self.chunks, "error_feedback": self.error_feedback,
-                "residuals": {k: v.clone() for k, v in self._residuals.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("chunks", self.chunks) != self.chunks:
-            raise ValueError(f"state was saved with chunks={state['chunks']}, this compressor "
-                             f"has chunks={self.chunks}")
-        residuals = state.get("residuals", {})
-        if residuals and not self.error_feedback:
-            raise ValueError("state holds error-feedback residuals but this compressor was "
-                             "made with error_feedback=False")
-        self._residuals = {str(k): v.detach().float().clone() for k, v in residuals.items()}
 
 
 def _check_float(name, t):

@@ -127,7 +127,40 @@ def record_bytes(chunk_numel: int) -> int:
     return HEADER_BYTES + -(-chunk_numel // RECORD_ALIGN) * RECORD_ALIGN
 
 
-class MinMaxUInt8(Compressor):
+class _ResidualsByKey:
+    """Error-feedback residuals kept per key (``self._residuals``: float32 tensors), with the
+    state-dict format both min-max compressors share."""
+
+    chunks: int
+    error_feedback: bool
+    _residuals: dict
+
+    def residual(self, key: str = "default") -> torch.Tensor | None:
+        """A copy of the float32 residual stored under ``key`` (None before the first
+        compression).  A copy, because the stored residual is updated in place by every later
+        ``compress`` with the same key."""
+        r = self._residuals.get(key)
+        return None if r is None else r.clone()
+
+    def reset_residuals(self) -> None:
+        self._residuals.clear()
+
+    def state_dict(self) -> dict:
+        return {"chunks": self.chunks, "error_feedback": self.error_feedback,
+                "residuals": {k: v.clone() for k, v in self._residuals.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("chunks", self.chunks) != self.chunks:
+            raise ValueError(f"state was saved with chunks={state['chunks']}, this compressor "
+                             f"has chunks={self.chunks}")
+        residuals = state.get("residuals", {})
+        if residuals and not self.error_feedback:
+            raise ValueError("state holds error-feedback residuals but this compressor was "
+                             "made with error_feedback=False")
+        self._residuals = {str(k): v.detach().float().clone() for k, v in residuals.items()}
+
+
+class MinMaxUInt8(_ResidualsByKey, Compressor):
     """8-bit min-max quantisation in ``chunks`` chunks (Bagua's ByteGrad format).
 
     Args:
@@ -237,31 +270,10 @@ class MinMaxUInt8(Compressor):
         _decompress(payload.reshape(-1), out.detach().view(-1), chunks, dtype)
         return out
 
-    # -- error-feedback state -----------------------------------------------------------------
-    def residual(self, key: str = "default") -> torch.Tensor | None:
-        """A copy of the float32 residual stored under ``key`` (None before the first
-        compression).  A copy, because the stored residual is updated in place by every later
-        ``compress`` with the same key."""
-        r = self._residuals.get(key)
-        return None if r is None else r.clone()
-
+    # -- error-feedback state (residual, state_dict, load_state_dict: _ResidualsByKey) -------
     def reset_residuals(self) -> None:
-        self._residuals.clear()
+        super().reset_residuals()
         self._corrected.clear()
-
-    def state_dict(self) -> dict:
-        return {"chunks": self.chunks, "error_feedback": self.error_feedback,
-                "residuals": {k: v.clone() for k, v in self._residuals.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("chunks", self.chunks) != self.chunks:
-            raise ValueError(f"state was saved with chunks={state['chunks']}, this compressor "
-                             f"has chunks={self.chunks}")
-        residuals = state.get("residuals", {})
-        if residuals and not self.error_feedback:
-            raise ValueError("state holds error-feedback residuals but this compressor was "
-                             "made with error_feedback=False")
-        self._residuals = {str(k): v.detach().float().clone() for k, v in residuals.items()}
 
     def _chunks(self, chunks):
         if chunks is None:
