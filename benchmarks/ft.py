@@ -17,6 +17,10 @@ parameters, optimizer and algorithm state, LR scheduler, sampler position), and 
 1000 ms, replicas beat every 100 ms).  Exits 1 if a target is missed.
 
     python benchmarks/ft.py --quick --json out/ft/result.json
+
+``--soak SECONDS`` runs no fault at all and counts false drops (a live host left out of a
+quorum, a step not committed) at the heartbeat timeout given, under whatever load the machine
+has: the measure of whether a short heartbeat is safe.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,6 +148,54 @@ def scenario(system: str, lighthouse: str, out: Path, args) -> dict:
             "series": series}
 
 
+def soak(lighthouse: str, out: Path, args) -> dict:
+    """No fault at all for ``args.soak`` seconds: every replica that leaves a quorum, every
+    step not committed, is a false drop (the heartbeat judged a live host dead)."""
+    shutil.rmtree(out, ignore_errors=True)      # an old run's stop file would end this one
+    out.mkdir(parents=True, exist_ok=True)
+
+    def spawn(tag, host):
+        (out / tag).mkdir(exist_ok=True)
+        cmd = [sys.executable, str(OURS), "--lighthouse", lighthouse, "--replica-id",
+               f"host{host}", "--tag", tag, "--sync-dir", str(out), "--log", str(out / f"{tag}.log"),
+               "--steps", "1000000", "--step-sleep", str(args.step_sleep), "--batch", "8",
+               "--algo", "bytegrad", "--samples", "1000000"]
+        return subprocess.Popen(cmd, env=_env(), stdout=open(out / f"{tag}.out", "w"),
+                                stderr=subprocess.STDOUT)
+
+    procs = [spawn(f"h{i}", i) for i in range(HOSTS)]
+    loads = []
+    try:
+        _wait(lambda: all((out / f"ready-h{i}").exists() for i in range(HOSTS)), 180, "start")
+        for i in range(HOSTS):
+            (out / f"go-h{i}").touch()
+        _wait(lambda: all(_log(out / f"h{i}.log") for i in range(HOSTS)), 120, "the first step")
+        end = time.time() + args.soak
+        while time.time() < end:
+            loads.append(float(Path("/proc/loadavg").read_text().split()[0]))
+            time.sleep(1.0)
+        (out / "stop").touch()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = [_log(out / f"h{i}.log") for i in range(HOSTS)]
+    steps = sum(len(log_) for log_ in logs)
+    small = sum(1 for log_ in logs for r in log_ if r["world"] < HOSTS)
+    uncommitted = sum(1 for log_ in logs for r in log_ if not r["committed"])
+    return {"status": "ok", "seconds": args.soak, "heartbeat_timeout_ms": args.heartbeat_ms,
+            "step_attempts": steps, "steps_below_full_world": small,
+            "steps_not_committed": uncommitted,
+            "false_drop_rate": round((small + uncommitted) / max(steps, 1), 5),
+            "loadavg": {"min": min(loads), "mean": round(sum(loads) / len(loads), 2),
+                        "max": max(loads)} if loads else None}
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -179,11 +232,26 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/ft")
     ap.add_argument("--heartbeat-ms", type=int, default=1000)
     ap.add_argument("--step-sleep", type=float, default=0.02)
+    ap.add_argument("--soak", type=float, default=0.0,
+                    help="no fault: run 3 hosts this many seconds and count false drops "
+                         "(quorums without a live host, uncommitted steps) under the load "
+                         "the machine has; run something CPU-heavy beside it for load 8+")
     args = ap.parse_args(argv)
+    if args.soak < 0:
+        ap.error("--soak must be >= 0 seconds")
     args.kill_after, args.alone, args.after = (10, 10, 10) if args.quick else (40, 40, 40)
     from bagua_algos.ft import lighthouse
 
     out = Path(args.out)
+    if args.soak:
+        lh = lighthouse(heartbeat_timeout_ms=args.heartbeat_ms, join_timeout_ms=1000)
+        result = soak(lh.address(), out / "soak", args)
+        lh.shutdown()
+        print(json.dumps(result, indent=1))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result))
+        return 0
     load = Path("/proc/loadavg").read_text().split()[0]
     ours_lh = lighthouse(heartbeat_timeout_ms=args.heartbeat_ms, join_timeout_ms=1000)
     result = scenario("bagua", ours_lh.address(), out / "bagua", args)

@@ -152,3 +152,33 @@ def test_kill_survive_heal(tmp_path, lighthouse):
     seen = collections.Counter(i for log in (la, lb, lb2) for r in log
                                if r["committed"] and r["epoch"] == 0 for i in r["indices"])
     assert sorted(seen) == list(range(96)) and set(seen.values()) == {1}, seen
+
+
+@pytest.mark.timeout(200)
+def test_a_replica_with_another_model_shape_is_refused_and_the_job_goes_on(tmp_path, lighthouse):
+    """A host that comes back with a different model must not join (nor hang the job): it is
+    refused with a message naming why, and the running replica trains on unharmed."""
+    a = _spawn(tmp_path, lighthouse, "a", "a", "--hold-at", "4", "--step-sleep", "0.05")
+    procs = [a]
+    try:
+        _wait(tmp_path / "ready-a", procs)
+        (tmp_path / "go-a").touch()
+        _wait(tmp_path / "a.log", procs)
+        bad = _spawn(tmp_path, lighthouse, "bad", "bad", "--shape-bug")
+        procs.append(bad)
+        _wait(tmp_path / "ready-bad", procs)
+        (tmp_path / "go-bad").touch()
+        (tmp_path / "release").touch()
+        rc = bad.wait(120)
+        out = (tmp_path / "bad.out").read_text()
+        assert rc != 0 and "cannot join" in out and "differ" in out, out[-3000:]
+        assert a.wait(120) == 0, (tmp_path / "a.out").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    la = _log(tmp_path, "a")
+    assert la[-1]["step"] == STEPS and la[-1]["committed"]
+    # the stranger never took part in a committed step: a trained alone throughout
+    assert all(r["world"] == 1 for r in la if r["committed"]), la
+    assert sum(not r["committed"] for r in la) <= 1, [r for r in la if not r["committed"]]

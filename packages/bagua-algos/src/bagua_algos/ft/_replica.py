@@ -37,6 +37,10 @@ def _positive_timedelta(name, value) -> None:
         raise ValueError(f"{name} must be a positive datetime.timedelta, got {value!r}")
 
 
+# quorums tried in one step when members keep failing while the group is set up
+_REBUILD_ATTEMPTS = 5
+
+
 def is_comm_error(err: BaseException) -> bool:
     """A failure of the group (a peer gone or silent), as opposed to a bug in the step."""
     if isinstance(err, dist.DistError):
@@ -168,6 +172,8 @@ class FaultTolerant:
         self._healed: dict | None = None
         self._dirty = False
         self._step0 = 0
+        # (algorithm state, data state) of a rebuild that failed half-way, for the next one
+        self._pending: tuple | None = None
         #: seconds each heal took on this replica (state received and applied)
         self.heal_times: list[float] = []
         if not bc.is_initialized():
@@ -227,14 +233,31 @@ class FaultTolerant:
         if self.model is not None and (self.model._cb_queued or self.model._handles):
             self._dirty = True       # a step abandoned mid-backward
         import time
-        t0 = time.perf_counter()
-        self.manager.start_quorum()
-        healed, self._healed = self._healed, None
-        if (healed is not None or self._dirty or self.model is None
-                or self._pg.generation != self._generation):
-            self._rebuild(healed)
+        for attempt in range(1, _REBUILD_ATTEMPTS + 1):
+            t0 = time.perf_counter()
+            self.manager.start_quorum()
+            healed, self._healed = self._healed, None
+            if not (healed is not None or self._dirty or self.model is None
+                    or self._pg.generation != self._generation):
+                break
+            try:
+                self._rebuild(healed)
+            except Exception as err:
+                # A member of the new quorum failed while the group was being set up (it
+                # died, or it was refused: another model): vote this step down and take the
+                # next quorum, which no longer holds it, instead of failing a healthy replica.
+                if not is_comm_error(err) or attempt == _REBUILD_ATTEMPTS:
+                    raise
+                logger.warning(f"bagua_algos.ft: a peer failed while the quorum formed ({err}); "
+                               "this step is not committed, trying the next quorum")
+                step.error = err
+                self.manager.report_error(err)
+                self.manager.should_commit()
+                self._abandon()
+                continue
             if healed is not None:
                 self.heal_times.append(time.perf_counter() - t0)
+            break
         self._step0 = self.model.step
         if self.data is not None:
             step.batch = self.data.next()
@@ -243,10 +266,14 @@ class FaultTolerant:
         """Wrap the model anew on the current quorum's group, carrying every piece of state
         (from the healthy peer when healing)."""
         rank, size = self._pg.members
-        own = self.model.bagua_state_dict() if self.model is not None else None
-        data_state = self.data.state_dict() if self.data is not None else None
+        if self._pending is not None:       # a rebuild that failed: its state, not a fresh one
+            own, data_state = self._pending
+        else:
+            own = self.model.bagua_state_dict() if self.model is not None else None
+            data_state = self.data.state_dict() if self.data is not None else None
         if self.model is not None:
             self.model.detach_algorithm()
+            self.model = None
         release(self._group)
         self._group = None
         if healed is not None:
@@ -257,6 +284,7 @@ class FaultTolerant:
             if self.scheduler is not None:
                 self.scheduler.load_state_dict(healed["scheduler"])
             data_state = healed["data"]
+        self._pending = (own, data_state)
         self._group = bagua_group(self._pg)
         with _quiet("bagua_algos"):
             self.model = with_bagua(self._module, [self.optimizer], self.algorithm,
@@ -265,6 +293,7 @@ class FaultTolerant:
             self.model.load_bagua_state_dict(own)
         if self.data is not None and data_state is not None:
             self.data.rebind(size, rank, data_state)
+        self._pending = None
         self._generation = self._pg.generation
         self._dirty = False
         logger.info(f"bagua_algos.ft: training at {size} replicas (this one: rank {rank})"
