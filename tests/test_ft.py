@@ -182,3 +182,54 @@ def test_a_replica_with_another_model_shape_is_refused_and_the_job_goes_on(tmp_p
     # the stranger never took part in a committed step: a trained alone throughout
     assert all(r["world"] == 1 for r in la if r["committed"]), la
     assert sum(not r["committed"] for r in la) <= 1, [r for r in la if not r["committed"]]
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_replica_is_dropped_then_heals_when_it_wakes(tmp_path, lighthouse):
+    """SIGSTOP (a host frozen: swapped out, paused VM): the other replica drops it and goes on
+    alone; on SIGCONT it finds its step failed, rejoins, heals from the live peer, and both end
+    identical."""
+    a = _spawn(tmp_path, lighthouse, "a", "a", "--step-sleep", "0.05", "--timeout", "5",
+               "--hold-at", str(HOLD_AT))
+    b = _spawn(tmp_path, lighthouse, "b", "b", "--step-sleep", "0.05", "--timeout", "5")
+    procs = [a, b]
+    try:
+        _wait(tmp_path / "ready-a", procs)
+        _wait(tmp_path / "ready-b", procs)
+        (tmp_path / "go-a").touch()
+        (tmp_path / "go-b").touch()
+        end = time.time() + 120
+        while not (tmp_path / "b.log").exists() or len(_log(tmp_path, "b")) < 3:
+            assert time.time() < end and b.poll() is None, "b did not start training"
+            time.sleep(0.05)
+        b.send_signal(signal.SIGSTOP)
+        frozen = len(_log(tmp_path, "a"))
+        end = time.time() + 60
+        while not any(r["committed"] and r["world"] == 1 for r in _log(tmp_path, "a")[frozen:]):
+            assert time.time() < end, "a did not go on alone while b was stopped"
+            time.sleep(0.05)
+        _wait_for_hold = time.time() + 60     # a waits at HOLD_AT, so b cannot be left behind
+        while len(_log(tmp_path, "a")) < HOLD_AT:
+            assert time.time() < _wait_for_hold, "a did not reach its hold step"
+            time.sleep(0.05)
+        b.send_signal(signal.SIGCONT)
+        (tmp_path / "release").touch()
+        assert a.wait(150) == 0, (tmp_path / "a.out").read_text()[-3000:]
+        assert b.wait(60) == 0, (tmp_path / "b.out").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+    la, lb = _log(tmp_path, "a"), _log(tmp_path, "b")
+    assert la[-1]["step"] == STEPS and lb[-1]["step"] == STEPS
+    assert any(r["committed"] and r["world"] == 1 for r in la)      # a went on alone
+    # b's step in flight when it froze failed; its next committed step is a's, copied by healing
+    failed = [i for i, r in enumerate(lb) if not r["committed"]]
+    assert failed, lb
+    woke = next(r for r in lb[failed[0]:] if r["committed"])
+    assert woke["step"] > lb[failed[0]]["step"] + 1 and woke["heal_s"] != lb[0]["heal_s"], lb
+    assert la[-1]["world"] == lb[-1]["world"] == 2                   # and they ended together
+    ea = torch.load(tmp_path / "a" / "end.pt", weights_only=False)
+    eb = torch.load(tmp_path / "b" / "end.pt", weights_only=False)
+    _assert_identical(ea, eb, "at the end", skip=("/rank", "compressor"))
