@@ -52,3 +52,43 @@ def test_each_cell_names_its_winner_margin_and_the_automatic_choice(tmp_path):
     assert len(out["cells"]) == 3
     if out["plot"]:
         assert (tmp_path / "t.png").stat().st_size > 5000
+
+
+def _root_testbed() -> tuple[bool, str]:
+    from testbed import testbed_available
+
+    ok, why = testbed_available()
+    return ok and why.startswith("root"), why
+
+
+@pytest.mark.timeout(420)
+def test_quick_map_on_the_testbed_measures_latency_and_names_a_winner_per_cell(tmp_path):
+    """The quick grid for real: 2 hosts, 100 Mbit/s, one-way 0 and 5 ms through the delay line."""
+    ok, why = _root_testbed()
+    if not ok:
+        pytest.skip(f"needs root network namespaces: {why}")
+    import os
+    import subprocess
+
+    out = tmp_path / "t.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "tradeoff.py"), "--quick",
+         "--json", str(out), "--plot", str(tmp_path / "t.png"),
+         "--algorithms", "ddp,decentralized_shift_one", "--steps", "3", "--wall-seconds", "0.5",
+         "--workdir", str(tmp_path / "work"), "--testbed-name", f"tq{os.getpid() % 100000}",
+         "--stall-seconds", "120"],
+        capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    cells = {(c["bandwidth_mbit"], c["latency_ms"]): c for c in json.loads(out.read_text())["cells"]}
+    assert set(cells) == {(100, 0), (100, 5)}
+    for cell in cells.values():
+        assert cell["times_s"].get("ddp"), cell         # DDP reached its own loss: the yardstick
+        assert cell["winner"] in cell["times_s"]
+        assert cell["winner"] in ("ddp", "decentralized_shift_one")
+    e2e = json.loads((tmp_path / "t-e2e.json").read_text())
+    delayed = [x for x in e2e["runs"] if x["latency_ms"] == 5]
+    assert delayed and all(x["delay_line"]["kept_up"] and x["delay_line"]["packets"] > 0
+                           for x in delayed)
+    # 5 ms each way costs DDP at least one round trip per step more than no delay.
+    ddp = {x["latency_ms"]: x["step_s"] for x in e2e["runs"] if x["algorithm"] == "ddp"}
+    assert ddp[5] > ddp[0] + 0.010, ddp
