@@ -233,3 +233,32 @@ def test_a_stopped_replica_is_dropped_then_heals_when_it_wakes(tmp_path, lightho
     ea = torch.load(tmp_path / "a" / "end.pt", weights_only=False)
     eb = torch.load(tmp_path / "b" / "end.pt", weights_only=False)
     _assert_identical(ea, eb, "at the end", skip=("/rank", "compressor"))
+
+
+@pytest.mark.timeout(200)
+def test_two_of_three_replicas_lost_at_once(tmp_path, lighthouse):
+    """Two hosts die in the same step: the last one loses that step only and trains on alone,
+    every epoch-0 sample still used exactly once."""
+    a = _spawn(tmp_path, lighthouse, "a", "a")
+    b = _spawn(tmp_path, lighthouse, "b", "b", "--kill-at", str(KILL_AT))
+    c = _spawn(tmp_path, lighthouse, "c", "c", "--kill-at", str(KILL_AT))
+    procs = [a, b, c]
+    try:
+        for t in "abc":
+            _wait(tmp_path / f"ready-{t}", procs)
+        for t in "abc":
+            (tmp_path / f"go-{t}").touch()
+        assert b.wait(120) == -signal.SIGKILL and c.wait(120) == -signal.SIGKILL
+        assert a.wait(120) == 0, (tmp_path / "a.out").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    la = _log(tmp_path, "a")
+    failed = [r for r in la if not r["committed"]]
+    assert len(failed) == 1 and failed[0]["step"] == KILL_AT, failed
+    worlds = [r["world"] for r in la if r["committed"]]
+    assert worlds == [3] * KILL_AT + [1] * (STEPS - KILL_AT), worlds
+    seen = collections.Counter(i for t in "abc" for r in _log(tmp_path, t)
+                               if r["committed"] and r["epoch"] == 0 for i in r["indices"])
+    assert sorted(seen) == list(range(96)) and set(seen.values()) == {1}, seen
