@@ -65,10 +65,11 @@ def _install(session: nox.Session, package: str, extras: str = "") -> None:
     session.install(f"{_pkg(package)}{extras}")
 
 
-def _pytest(session: nox.Session, *paths: str, gpu: bool = False) -> None:
+def _pytest(session: nox.Session, *paths: str, gpu: bool = False, slow: bool = False) -> None:
     args = list(session.posargs) or ["-q"]
-    if not gpu:
-        args += ["-m", "not gpu"]
+    skip = [m for m, run in (("gpu", gpu), ("slow", slow)) if not run]
+    if skip:
+        args += ["-m", " and ".join(f"not {m}" for m in skip)]
     # Tests import the installed packages: src/ is never on sys.path (src layout).
     session.run("pytest", *[str(ROOT / p) for p in paths], *args,
                 env={"PYTHONDONTWRITEBYTECODE": "1"})
@@ -200,8 +201,21 @@ def integration(session: nox.Session) -> None:
     session.install("pytest>=8", "pytest-timeout>=2.3", "numpy", "rich", "matplotlib")
     for p in PACKAGES:
         session.install(_pkg(p))
-    session.install(f"{_pkg('bagua-algos')}[lightning]")   # examples/lightning_train.py
+    # lightning: examples/lightning_train.py; ft: the restart-free kill-and-heal scenario
+    # (tests/test_ft.py; its longer fault scenarios are marked slow: `nox -s ft` runs them)
+    session.install(f"{_pkg('bagua-algos')}[lightning,ft]")
     _pytest(session, "tests")
+
+
+@nox.session(default=False)
+def ft(session: nox.Session) -> None:
+    """Every restart-free fault-tolerance scenario on torchft, the slow ones included."""
+    _install_torch(session)
+    session.install("pytest>=8", "pytest-timeout>=2.3", "numpy")
+    for p in PACKAGES:
+        session.install(_pkg(p))
+    session.install(f"{_pkg('bagua-algos')}[ft]")
+    _pytest(session, "tests/test_ft.py", "packages/bagua-algos/tests/test_ft_api.py", slow=True)
 
 
 @nox.session(tags=["ci"])

@@ -2,7 +2,8 @@
 gloo, a Lighthouse on loopback.  One replica is killed with SIGKILL in a step, the survivor
 goes on alone, the replica is relaunched, heals from the survivor and both go on together.
 
-Needs torchft (``pip install 'bagua-algos[ft]'``); skipped without it.
+Needs torchft (``pip install 'bagua-algos[ft]'``); skipped without it.  CI runs the
+kill-and-heal scenario; the tests marked ``slow`` (other faults) run with ``nox -s ft``.
 """
 
 from __future__ import annotations
@@ -154,6 +155,7 @@ def test_kill_survive_heal(tmp_path, lighthouse):
     assert sorted(seen) == list(range(96)) and set(seen.values()) == {1}, seen
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_replica_with_another_model_shape_is_refused_and_the_job_goes_on(tmp_path, lighthouse):
     """A host that comes back with a different model must not join (nor hang the job): it is
@@ -184,6 +186,7 @@ def test_a_replica_with_another_model_shape_is_refused_and_the_job_goes_on(tmp_p
     assert sum(not r["committed"] for r in la) <= 1, [r for r in la if not r["committed"]]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_stopped_replica_is_dropped_then_heals_when_it_wakes(tmp_path, lighthouse):
     """SIGSTOP (a host frozen: swapped out, paused VM): the other replica drops it and goes on
@@ -235,6 +238,7 @@ def test_a_stopped_replica_is_dropped_then_heals_when_it_wakes(tmp_path, lightho
     _assert_identical(ea, eb, "at the end", skip=("/rank", "compressor"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_two_of_three_replicas_lost_at_once(tmp_path, lighthouse):
     """Two hosts die in the same step: the last one loses that step only and trains on alone,
