@@ -118,3 +118,40 @@ def test_everyday_loop_equals_ddp_bit_for_bit(runs, scenario):
     start = _model(scenario)
     moved = [not torch.equal(p, q) for p, q in zip(start.parameters(), runs[0][scenario][1]["params"])]
     assert all(moved), moved
+
+
+def _two_models(wrapper):
+    """A GAN-shaped loop: two wrapped models, each with its own optimizer, the second fed the
+    first's detached output, both stepped every iteration."""
+    rank = bc.get_rank()
+    g, d = make_model(seed=5), make_model(seed=6)
+    d[0] = torch.nn.Linear(1, d[0].out_features)          # d reads g's 1-wide output
+    og = torch.optim.Adam(g.parameters(), lr=1e-2)
+    od = torch.optim.SGD(d.parameters(), lr=0.05, momentum=0.9)
+    if wrapper == "ddp":
+        wg, wd = DDP(g), DDP(d)
+    else:
+        wg, wd = with_bagua(g, [og], GradientAllReduce()), with_bagua(d, [od], GradientAllReduce())
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        od.zero_grad()
+        torch.nn.functional.mse_loss(wd(wg(x).detach()), y).backward()
+        od.step()
+        og.zero_grad()
+        (wg(x) - y).pow(2).mean().backward()
+        og.step()
+    if wrapper != "ddp":
+        wg.detach_algorithm()
+        wd.detach_algorithm()
+    return [p.detach().clone() for m in (g, d) for p in m.parameters()]
+
+
+def _two_model_runs():
+    return _two_models("ddp"), _two_models("bagua")
+
+
+def test_two_wrapped_models_in_one_loop_equal_ddp():
+    for ddp, ours in run_ranks(_two_model_runs, 2, timeout=120):
+        assert len(ddp) == len(ours)
+        for a, b in zip(ddp, ours):
+            assert torch.equal(a, b)
