@@ -6,6 +6,7 @@ seeds, and uncompressed DDP for the loss."""
 
 import io
 import os
+import pickle
 import sys
 from datetime import timedelta
 
@@ -289,6 +290,10 @@ def test_checkpointed_residuals_resume_the_same_training(state_cases):
 # -- process groups and bad input -------------------------------------------------------------
 def _torch_initialised(store_path):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # made before any process group (Lightning's DDPStrategy(ddp_comm_state=...)), and
+    # pickled (a spawn launcher): set up at the hook's first call
+    early = pickle.loads(pickle.dumps(CompressionHookState(error_feedback=True)))
+    deferred = early._group is None
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
     foreign = dist.new_group([0, 1])               # a torch group bagua_comm did not make
@@ -301,10 +306,19 @@ def _torch_initialised(store_path):
         refused = str(err)
     sub = bc.new_group([0, 1])
     by_torch_group = CompressionHookState(process_group=sub.torch_group).group is sub
-    model = make_model(seed=1)
-    ddp = _ddp(model, CompressionHookState(process_group=dist.group.WORLD))
-    loss_fn(ddp, *batch(0, rank)).backward()
-    return adopted, refused, by_torch_group, _flat_grads(model)
+    grads = []
+    for state in (CompressionHookState(process_group=dist.group.WORLD), early):
+        model = make_model(seed=1)
+        ddp = _ddp(model, state)
+        loss_fn(ddp, *batch(0, rank)).backward()
+        grads.append(_flat_grads(model))
+    try:
+        pickle.dumps(early)
+        pickles_once_set_up = True
+    except TypeError:
+        pickles_once_set_up = False
+    return (adopted and deferred and early.group is bc.get_default_group()
+            and not pickles_once_set_up), refused, by_torch_group, grads
 
 
 def test_process_groups_adopted_from_torch_and_unknown_torch_groups_refused(tmp_path):
@@ -313,7 +327,9 @@ def test_process_groups_adopted_from_torch_and_unknown_torch_groups_refused(tmp_
     for adopted, refused, by_torch_group, grads in res:
         assert adopted and by_torch_group
         assert refused is not None and refused.startswith("process_group")
-        assert torch.equal(grads, res[0][3])
+        for got, want in zip(grads, res[0][3]):        # bit-identical ranks
+            assert torch.equal(got, want)
+        assert torch.equal(grads[0], grads[1])      # error feedback: same first step
 
 
 @pytest.mark.parametrize("kwargs, word", [

@@ -78,8 +78,11 @@ class CompressionHookState:
             gradient (EF-SGD), for the default compressor; a compressor passed in brings its
             own (``MinMaxUInt8(chunks, error_feedback=True)``).
 
-    Construct it on every rank, in the same order (adopting torch's group is collective).
-    Use one state per DDP model.
+    The group and the compressor are resolved when the state is made if a process group
+    exists, else at the hook's first call (Lightning's ``DDPStrategy(ddp_comm_state=...)``
+    makes the state before the processes join); either way on every rank, in the same order
+    (adopting torch's default group is collective), before anything is sent.  Until then the
+    state pickles (spawn launchers).  Use one state per DDP model.
     """
 
     def __init__(self, process_group=None, compressor=None, error_feedback: bool = False):
@@ -89,10 +92,11 @@ class CompressionHookState:
             raise ValueError("error_feedback=True configures the default compressor; a "
                              "compressor passed in keeps its own error feedback (e.g. "
                              "MinMaxUInt8(chunks, error_feedback=True)): drop one of the two")
-        self.group = _bagua_group(process_group)
-        check_chunks(compressor, self.group.size, "compressor")
-        self.compressor = make_compressor(compressor, self.group.size, error_feedback)
+        self.process_group = process_group
         self.error_feedback = error_feedback
+        self._compressor_arg = compressor
+        self._group: bc.ProcessGroup | None = None
+        self._compressor = None
         self._ordinal: dict[int, int] = {}      # id(parameter) -> order of first appearance
         self._keys: dict[tuple, str] = {}       # parameter ids of a bucket -> its key
         self._last_used: dict[str, int] = {}    # key -> backward pass that last used it
@@ -100,9 +104,48 @@ class CompressionHookState:
         self._stale: set[str] = set()
         self._lock = threading.Lock()
         self._waiter: ThreadPoolExecutor | None = None
+        if bc.is_initialized() or dist.is_initialized():
+            self._setup()
+
+    def _setup(self) -> None:
+        group = _bagua_group(self.process_group)
+        check_chunks(self._compressor_arg, group.size, "compressor")
+        self._compressor = make_compressor(self._compressor_arg, group.size,
+                                           self.error_feedback)
+        self._group = group
+
+    @property
+    def group(self) -> bc.ProcessGroup:
+        """The bagua_comm group the hook communicates over."""
+        if self._group is None:
+            self._setup()
+        return self._group
+
+    @property
+    def compressor(self):
+        """The compressor (``MinMaxUInt8(group size)`` when ``compressor=None``)."""
+        if self._group is None:
+            self._setup()
+        return self._compressor
 
     def __repr__(self) -> str:
-        return f"CompressionHookState(group={self.group!r}, compressor={self.compressor!r})"
+        if self._group is None:
+            return (f"CompressionHookState(process_group={self.process_group!r}, "
+                    f"compressor={self._compressor_arg!r}, "
+                    f"error_feedback={self.error_feedback}) (not set up yet)")
+        return f"CompressionHookState(group={self._group!r}, compressor={self._compressor!r})"
+
+    def __getstate__(self):
+        if self._group is not None:
+            raise TypeError("CompressionHookState holds a process group and threads once set "
+                            "up; checkpoint state_dict() instead of pickling it")
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     # -- keys ---------------------------------------------------------------------------------
     def _key(self, params) -> str:
@@ -171,10 +214,6 @@ class CompressionHookState:
                 self._waiter = ThreadPoolExecutor(max_workers=1,
                                                   thread_name_prefix="bagua-ddp-hook")
         self._waiter.submit(_resolve, work, fut, buf)
-
-    def __getstate__(self):
-        raise TypeError("CompressionHookState holds a process group and threads; save "
-                        "state_dict() instead")
 
 
 def _resolve(work, fut, buf) -> None:
