@@ -238,7 +238,9 @@ def compressed_allreduce_hook(state: CompressionHookState, bucket: dist.GradBuck
         state._drop_stale()
     buf = bucket.buffer()
     key = state._key(bucket.parameters())
-    fut: torch.futures.Future = torch.futures.Future()
+    # a CUDA result needs a future that knows its device (torch refuses it otherwise)
+    fut: torch.futures.Future = torch.futures.Future(devices=[buf.device] if buf.is_cuda
+                                                     else None)
     work = bc.compressed_allreduce(buf, buf, bc.ReduceOp.AVG, state.compressor, key=key,
                                    group=state.group, async_op=True)
     state._complete(work, fut, buf)
