@@ -1,9 +1,11 @@
 """What each row of the main job trains with: torch DDP (plain, ``fp16_compress_hook``,
-PowerSGD) and the bagua algorithms, with the modes that trade bytes differently as rows of
+PowerSGD, and ``ddp_bytegrad_hook``: DDP with bagua's MinMaxUInt8 compressed allreduce as its
+communication hook) and the bagua algorithms, with the modes that trade bytes differently as rows of
 their own.
 
 A row is ``(kind, registry name, keyword arguments, note)``.  ``kind`` is ``"torch"`` for DDP
-and its communication hooks, ``"bagua"`` for ``bagua_algos.Algorithm.init(name, **kwargs)``.
+and its communication hooks (``HOOK_ROWS``: DDP with a bagua_algos hook, whose bytes
+bagua_comm's traffic counter accounts), ``"bagua"`` for ``bagua_algos.Algorithm.init(name, **kwargs)``.
 Algorithms that have a ``hierarchical`` mode run it whenever a host has more than one
 process (``procs_per_host > 1``), and flat otherwise (one process per node has nothing to
 average inside a node); ``bytegrad_flat`` is ByteGrad forced flat, beside it.
@@ -18,9 +20,11 @@ import torch
 import torch.distributed as dist
 
 TORCH_ROWS = ("ddp", "ddp_fp16", "ddp_powersgd")
+HOOK_ROWS = ("ddp_bytegrad_hook",)     # torch DDP + bagua_algos.ddp_hooks
 HIERARCHICAL = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized",
                 "topk")
-DEFAULT_ROWS = ["ddp", "ddp_fp16", "ddp_powersgd", "gradient_allreduce", "bytegrad",
+DEFAULT_ROWS = ["ddp", "ddp_fp16", "ddp_powersgd", "ddp_bytegrad_hook", "gradient_allreduce",
+                "bytegrad",
                 "bytegrad_flat", "decentralized", "decentralized_shift_one",
                 "low_precision_decentralized", "async", "qadam", "local_sgd", "diloco", "topk",
                 "low_rank"]
@@ -74,6 +78,8 @@ def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2,
         return "fp16 hook"
     if row == "ddp_powersgd":
         return f"rank {powersgd_rank}, EF, warm"
+    if row == "ddp_bytegrad_hook":
+        return "8-bit hook, flat"
     if row == "async":
         return f"every {async_interval_ms:g}ms"
     if row in SYNC_ROWS and sync_every:
@@ -165,7 +171,9 @@ def serialized(hook):
 
 def build_torch(row: str, model, *, powersgd_rank: int = 2,
                 powersgd_start: int = 2, bucket_cap_mb: float | None = None):
-    """torch DDP for ``row`` with its communication hook."""
+    """torch DDP for ``row`` with its communication hook (``ddp_bytegrad_hook``: bagua's
+    ``compressed_allreduce_hook`` with its default state, MinMaxUInt8 with one chunk per rank,
+    no error feedback: ``bytegrad_flat``'s compression inside DDP)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel
@@ -181,6 +189,10 @@ def build_torch(row: str, model, *, powersgd_rank: int = 2,
                                    start_powerSGD_iter=powersgd_start, use_error_feedback=True,
                                    warm_start=True, random_seed=0)
         ddp.register_comm_hook(state, serialized(psgd.powerSGD_hook))
+    elif row == "ddp_bytegrad_hook":
+        from bagua_algos.ddp_hooks import CompressionHookState, compressed_allreduce_hook
+
+        ddp.register_comm_hook(CompressionHookState(), compressed_allreduce_hook)
     else:
         raise ValueError(f"not a torch row: {row!r}")
     return ddp

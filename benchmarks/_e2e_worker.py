@@ -32,6 +32,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _e2e_model import MarkovText, lm_loss, make_model, num_params
 from _e2e_rows import (
+    HOOK_ROWS,
     SYNC_ROWS,
     TORCH_ROWS,
     AllReduceCounter,
@@ -47,7 +48,12 @@ class Unavailable(Exception):
 
 def _build(name: str, model, args):
     """``(wrapped_model, optimizer)`` for row ``name`` (raises :class:`Unavailable`)."""
-    if name in TORCH_ROWS:
+    if name in HOOK_ROWS:
+        try:
+            import bagua_algos.ddp_hooks
+        except ImportError as err:
+            raise Unavailable(f"bagua_algos has no ddp_hooks ({err})") from err
+    if name in TORCH_ROWS or name in HOOK_ROWS:
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         return build_torch(name, model, powersgd_rank=args.powersgd_rank,
                            powersgd_start=max(2, args.warmup)), opt

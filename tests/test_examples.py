@@ -71,6 +71,15 @@ def test_sparse_algorithm_example(tmp_path):
     assert "ranks identical: True" in out and "'0.weight'" in out
 
 
+def test_ddp_hook_example(tmp_path):
+    out = _torchrun("ddp_hook.py", tmp_path)
+    ddp, hook = map(float, re.search(r"DDP ([\d.]+), DDP \+ uint8 hook ([\d.]+)", out).groups())
+    assert hook == pytest.approx(ddp, rel=0.05)
+    ratio = float(re.search(r"\(([\d.]+)x\)", out).group(1))
+    assert 0.24 < ratio < 0.27           # 8 bits a value + a 32-byte header per chunk
+    assert "ranks identical: True" in out and "checkpoint residuals: 2" in out
+
+
 def test_train_example_quick(tmp_path):
     out = _torchrun("train.py", tmp_path, "--algorithm", "bytegrad", "--backend", "gloo")
     before = float(re.search(r"before training val loss ([\d.]+)", out).group(1))

@@ -1,5 +1,5 @@
 """Run by test_lightning.py under torchrun (2 CPU ranks): Lightning ``Trainer.fit`` with
-DDPStrategy, then BaguaStrategy with every algorithm, in one launch. Rank 0 writes the
+DDPStrategy, DDPStrategy with bagua's DDP communication hook, then BaguaStrategy with every algorithm, in one launch. Rank 0 writes the
 results as JSON to ``argv[1]``; each rank writes its final parameters for the cross-rank check.
 """
 
@@ -65,9 +65,11 @@ def full_loss(model) -> float:
         return torch.nn.functional.mse_loss(model(x), y).item()
 
 
-def fit(strategy, *, epochs: int = 4, qadam: bool = False, ckpt_dir=None, ckpt_path=None):
+def fit(strategy, *, epochs: int = 4, qadam: bool = False, ckpt_dir=None, ckpt_path=None,
+        callbacks=()):
     model = Net(qadam)
-    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1)] if ckpt_dir else []
+    callbacks = [*callbacks, *([ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1)]
+                               if ckpt_dir else [])]
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs,
                         logger=False, enable_checkpointing=bool(ckpt_dir), callbacks=callbacks,
                         enable_progress_bar=False, enable_model_summary=False)
@@ -90,6 +92,22 @@ def main(out: str) -> None:
     res: dict = {}
     ddp, before, _ = fit(DDPStrategy())
     res["ddp"] = {"params": flat(ddp), "before": before, "after": full_loss(ddp)}
+
+    # DDPStrategy with bagua's compressed allreduce as DDP's communication hook: Lightning
+    # registers ddp_comm_hook= on CUDA only, so on CPU a callback registers it once the model
+    # is wrapped (docs/algorithms/bytegrad.md)
+    import bagua_comm as bc
+    from bagua_algos.ddp_hooks import CompressionHookState, compressed_allreduce_hook
+
+    class CompressedDDP(L.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            trainer.strategy.model.register_comm_hook(CompressionHookState(error_feedback=True),
+                                                      compressed_allreduce_hook)
+
+    sent = bc.traffic.bytes_sent("compressed_allreduce") if bc.is_initialized() else 0
+    hooked, before, _ = fit(DDPStrategy(), callbacks=[CompressedDDP()])
+    res["ddp_hook"] = {"params": flat(hooked), "before": before, "after": full_loss(hooked),
+                       "compressed_bytes": bc.traffic.bytes_sent("compressed_allreduce") - sent}
 
     runs = {"gradient_allreduce": {}, "bytegrad": {"hierarchical": False},
             "decentralized": {"hierarchical": False},

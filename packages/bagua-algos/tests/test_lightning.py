@@ -108,6 +108,16 @@ def test_every_algorithm_trains(torchrun_results, algorithm):
         assert torchrun_results[0][algorithm]["params"] == torchrun_results[1][algorithm]["params"]
 
 
+def test_ddp_strategy_with_bagua_s_comm_hook_trains_with_identical_ranks(torchrun_results):
+    r0, r1 = torchrun_results
+    for res in torchrun_results:
+        run = res["ddp_hook"]
+        assert run["compressed_bytes"] > 0               # the hook carried the gradients
+        assert run["after"] < 0.85 * run["before"], run
+        assert run["params"] != res["ddp"]["params"]     # 8-bit, not DDP's float32
+    assert r0["ddp_hook"]["params"] == r1["ddp_hook"]["params"]
+
+
 def test_lightning_checkpoint_carries_algorithm_state_and_resumes(torchrun_results):
     for res in torchrun_results:
         resume = res["resume"]

@@ -6,6 +6,10 @@
     bc.init_process_group()
     model = with_bagua(model, [optimizer], GradientAllReduce())
     model = with_bagua(model, [optimizer], "auto")   # chosen from the measured network
+
+torch DDP users keep DDP and add our compressed allreduce as its communication hook::
+
+    ddp_model.register_comm_hook(CompressionHookState(), compressed_allreduce_hook)
 """
 
 from ._recommend import recommend
@@ -24,10 +28,12 @@ from .algorithms import (
     QAdamOptimizer,
     TopK,
 )
+from .ddp_hooks import CompressionHookState, compressed_allreduce_hook
 from .module import BaguaModule, with_bagua
 
 __all__ = [
     "Algorithm", "AlgorithmImpl", "AsyncModelAverage", "BaguaModule", "ByteGrad",
-    "Decentralized", "DiLoCo", "GradientAllReduce", "LocalSGD", "LowPrecisionDecentralized",
-    "LowRank", "QAdam", "QAdamOptimizer", "TopK", "__version__", "recommend", "with_bagua",
+    "CompressionHookState", "Decentralized", "DiLoCo", "GradientAllReduce", "LocalSGD",
+    "LowPrecisionDecentralized", "LowRank", "QAdam", "QAdamOptimizer", "TopK", "__version__",
+    "compressed_allreduce_hook", "recommend", "with_bagua",
 ]
