@@ -36,7 +36,7 @@ def test_async_rank_raising_in_training_step_ends_every_process(tmp_path):
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
                "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
                "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "bagua-test"}
-        log = open(tmp_path / f"rank{rank}.log", "w")
+        log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
         procs.append((subprocess.Popen([sys.executable, str(HERE / "_lightning_raise_job.py")],
                                        stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
                                        env=env), log))
