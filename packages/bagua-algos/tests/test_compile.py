@@ -3,6 +3,8 @@ user's model only, bagua's hooks run outside it, and the training is DDP's on th
 (2 gloo ranks, DDP compiled in the same order)."""
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,6 +17,12 @@ from bagua_algos import Algorithm, GradientAllReduce, QAdamOptimizer, with_bagua
 from bagua_comm.testing import run_ranks
 
 STEPS = 4          # step 0 observes the gradient order, step 1 re-buckets by it
+
+
+def test_importing_bagua_algos_does_not_load_dynamo():
+    # the hooks reach torch._dynamo only while it traces them: importing it costs seconds
+    code = "import sys, bagua_algos; assert 'torch._dynamo' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def _backend(graphs: list, name: str = "aot_eager"):

@@ -16,6 +16,8 @@ import bagua_comm as bc
 from . import _autotune, _consistency
 from ._bucket import BaguaBucket
 from ._checks import check_bucket_size
+from ._compiled import eager as _eager
+from ._compiled import uncompiled as _uncompiled
 from .algorithm import Algorithm, AlgorithmImpl, BaguaContext
 
 DEFAULT_BUCKET_SIZE = 10 * 1024 * 1024
@@ -115,26 +117,6 @@ def _broadcast_tensors(tensors: Iterable[torch.Tensor], group: bc.ProcessGroup) 
             for t in ts:
                 t.copy_(flat[off:off + t.numel()].view_as(t))
                 off += t.numel()
-
-
-def _eager(fn, *args):
-    """``fn(*args)``, run eagerly also when ``torch.compile`` traces the caller: bagua's hooks
-    communicate and keep Python bookkeeping, which stay out of the compiled graph (Dynamo
-    traces the user's model only).  Dynamo is loaded whenever it traces, so nothing here
-    imports it (that costs seconds at import time)."""
-    if torch.compiler.is_compiling():
-        return torch._dynamo.disable(fn)(*args)
-    return fn(*args)
-
-
-def _uncompiled(module: torch.nn.Module) -> torch.nn.Module:
-    """The user's model behind ``torch.compile(model)`` (an OptimizedModule keeps it as
-    ``_orig_mod``): its parameter names, state_dict keys and algorithm state carry no
-    ``_orig_mod.`` prefix, so checkpoints move between compiled and eager runs."""
-    inner = getattr(module, "_orig_mod", None)
-    if isinstance(inner, torch.nn.Module) and type(module).__name__ == "OptimizedModule":
-        return inner
-    return module
 
 
 def _flat_on_one_level(algorithm: Algorithm, group: bc.ProcessGroup) -> Algorithm:
