@@ -246,6 +246,13 @@ class BaguaStrategy(DDPStrategy):
         else:
             yield None
 
+    def on_exception(self, exception: BaseException) -> None:
+        """This rank's training raised: asynchronous averaging tells the other ranks when it
+        stops at teardown, so that they raise too instead of training on alone."""
+        if isinstance(self.model, BaguaModule) and hasattr(self.model.impl, "mark_failed"):
+            self.model.impl.mark_failed()
+        super().on_exception(exception)
+
     def teardown(self) -> None:
         if isinstance(self.model, BaguaModule):
             bagua_module = self.model

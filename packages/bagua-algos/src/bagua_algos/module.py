@@ -16,6 +16,8 @@ import bagua_comm as bc
 from . import _autotune, _consistency
 from ._bucket import BaguaBucket
 from ._checks import check_bucket_size
+from ._compiled import eager as _eager
+from ._compiled import uncompiled as _uncompiled
 from .algorithm import Algorithm, AlgorithmImpl, BaguaContext
 
 DEFAULT_BUCKET_SIZE = 10 * 1024 * 1024
@@ -151,7 +153,7 @@ class BaguaModule(torch.nn.Module):
         self.optimizers = optimizers
         self.group = group
         self.do_flatten = do_flatten
-        self.ctx = BaguaContext(module, optimizers, group)
+        self.ctx = BaguaContext(_uncompiled(module), optimizers, group)
         self._bucket_size = bucket_size
         self._sync = True
         self._handles: list = []
@@ -191,7 +193,7 @@ class BaguaModule(torch.nn.Module):
         self._autotuner = _autotune.Autotuner(self, autotune) if autotune else None
 
     def _set_names(self) -> None:
-        names = {id(p): n for n, p in self.module.named_parameters()}
+        names = {id(p): n for n, p in self.ctx.module.named_parameters()}
         self._names = [names.get(id(t), f"tensor{i}") for i, t in enumerate(self._tensors)]
 
     # -- buckets ------------------------------------------------------------------------------
@@ -289,7 +291,7 @@ class BaguaModule(torch.nn.Module):
 
     # -- hooks --------------------------------------------------------------------------------
     def _register_hooks(self) -> None:
-        self._hooks.append(self.register_forward_pre_hook(self._forward_pre))
+        self._hooks.append(self.register_forward_pre_hook(self._forward_pre_hook))
         for p in self._tensors:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         for opt in self.optimizers:
@@ -298,6 +300,9 @@ class BaguaModule(torch.nn.Module):
             opt = self.optimizers[0]
             self._hooks.append(opt.register_state_dict_post_hook(self._save_into_optimizer))
             self._hooks.append(opt.register_load_state_dict_pre_hook(self._load_from_optimizer))
+
+    def _forward_pre_hook(self, module, inputs) -> None:
+        _eager(self._forward_pre, module, inputs)
 
     def _forward_pre(self, _module, _inputs) -> None:
         if self.training and torch.is_grad_enabled() and self._sync:
@@ -320,7 +325,7 @@ class BaguaModule(torch.nn.Module):
         self._frozen = [p for p in self._frozen if not p.requires_grad]
         _broadcast_tensors(newly, self.group)
         if self.group.rank == 0:
-            names = {id(p): n for n, p in self.module.named_parameters()}
+            names = {id(p): n for n, p in self.ctx.module.named_parameters()}
             logger.warning("bagua_algos: parameters frozen at with_bagua now require a gradient "
                            f"and join the buckets: {[names.get(id(p), '?') for p in newly]}")
         known = {id(t) for t in self._tensors}
@@ -530,20 +535,27 @@ class BaguaModule(torch.nn.Module):
         return state_dict
 
     def state_dict(self, *args, **kwargs):
-        """The wrapped model's ``state_dict`` (no ``module.`` prefix)."""
-        return self.module.state_dict(*args, **kwargs)
+        """The wrapped model's ``state_dict`` (no ``module.`` prefix; for a
+        ``torch.compile``-d model, the original model's: no ``_orig_mod.`` prefix either)."""
+        return self.ctx.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load the wrapped model's ``state_dict``; keys saved from a ``torch.compile``-d
+        model (``_orig_mod.`` prefix) load too."""
         if assign:
             raise ValueError("assign=True would replace parameters that bagua has flattened; "
                              "load with assign=False")
-        return self.module.load_state_dict(state_dict, strict=strict)
+        if state_dict and all(k.startswith("_orig_mod.") for k in state_dict):
+            state_dict = type(state_dict)(state_dict)    # keeps _metadata on an OrderedDict
+            torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state_dict,
+                                                                           "_orig_mod.")
+        return self.ctx.module.load_state_dict(state_dict, strict=strict)
 
     # -- user API -------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         out = self.module(*args, **kwargs)
         if self._sync and self.training and torch.is_grad_enabled():
-            self._hook_outputs(out)
+            _eager(self._hook_outputs, out)
         return out
 
     @contextlib.contextmanager

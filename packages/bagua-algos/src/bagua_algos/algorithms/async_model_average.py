@@ -59,6 +59,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self.stopped = False
         self.rounds = 0
         self.error: BaseException | None = None
+        self.failed = False             # this rank stops because it raised (mark_failed)
         self._opt_hooks = []
         self._atexit_registered = False
         self._step_holds = 0            # acquisitions of `lock` by optimizer steps not released
@@ -178,6 +179,12 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self.stopped = True
         self._apply_pending()
 
+    def mark_failed(self):
+        """This rank is leaving because its training raised: the :meth:`abort` that follows
+        tells the peers so, and their next training step raises (naming it) instead of
+        training on alone and ending as if the job had succeeded."""
+        self.failed = True
+
     def resume(self, module):
         """Restart averaging after :meth:`abort` (call it on every rank).
 
@@ -209,10 +216,15 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         flag = torch.zeros(1, dtype=torch.int32)
         while True:
             self.abort_event.wait(self.interval)
-            flag.fill_(1 if self.abort_event.is_set() else 0)
+            # 0: average; 1: stop (abort, rebucket); 2: stop, a rank failed (mark_failed)
+            flag.fill_((2 if self.failed else 1) if self.abort_event.is_set() else 0)
             bc.allreduce_inplace(flag, bc.ReduceOp.MAX, group=self.bg_group)
             if flag.item():
                 self.stopped = True
+                if flag.item() == 2 and not self.failed:
+                    self.error = RuntimeError(
+                        "AsyncModelAverage stopped: another rank's training raised and it "
+                        "left the job; this rank stops too rather than train on alone")
                 return
             self._average_once()
 
