@@ -36,7 +36,8 @@ class LowRank(Algorithm, name="low_rank"):
     """
 
     def __init__(self, rank: int = 2, warm_start: bool = True,
-                 min_compression_rate: float = 2.0, average: bool = True, seed: int = 0):
+                 min_compression_rate: float = 2.0, average: bool = True, seed: int = 0,
+                 start_step: int = 0):
         check_int_at_least("rank", rank, 1)
         check_bool("warm_start", warm_start)
         check_bool("average", average)
@@ -47,11 +48,13 @@ class LowRank(Algorithm, name="low_rank"):
                              f"matrix only where it shrinks at least this much), got "
                              f"{min_compression_rate!r}")
         check_int_at_least("seed", seed, 0)
+        check_int_at_least("start_step", start_step, 0)
         self.rank = rank
         self.warm_start = warm_start
         self.min_compression_rate = float(min_compression_rate)
         self.average = average
         self.seed = seed
+        self.start_step = start_step
 
     def reify(self, group):
         return LowRankImpl(group, self)
@@ -125,6 +128,9 @@ class LowRankImpl(AlgorithmImpl):
         if self.group.size == 1:
             return None
         tensor, plan = bucket.grad, self.plans[bucket.index]
+        if self.rounds < self.algo.start_step:      # warm-up: the exact average
+            return self.reducer.exchange(
+                lambda: bc.allreduce_inplace(tensor, self.op, group=self.group))
         return self.reducer.exchange(lambda: self.exchange(tensor, plan))
 
     def _factor(self, s: _Slot, device) -> torch.Tensor:
