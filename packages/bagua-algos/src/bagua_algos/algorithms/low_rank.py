@@ -26,7 +26,10 @@ class LowRank(Algorithm, name="low_rank"):
     (``r = min(rank, n, m)``); vectors, biases and matrices where rank ``r`` saves too little
     travel uncompressed in the first allreduce.  ``warm_start=True`` reuses last step's ``Q``
     (one power iteration per step, accumulating over steps); ``False`` draws a fresh one
-    from ``seed`` each step.
+    from ``seed`` each step.  ``start_step`` (torch's ``start_powerSGD_iter``): the first
+    ``start_step`` steps send the plain average, uncompressed; early steps are the most
+    sensitive to a rank-``r`` gradient (with Adam, 2 such steps decide most of the loss gap
+    to torch's hook, which defaults to 1000 of them).
 
     Every rank computes ``M̂`` from the same allreduced ``P`` and ``Q``, so ranks stay
     bit-identical.  Both allreduces of a bucket run one after the other on a background
