@@ -36,8 +36,8 @@ from _e2e_rows import (
     TORCH_ROWS,
     AllReduceCounter,
     bagua_spec,
-    powersgd_start,
     build_torch,
+    powersgd_start,
     sync_every_for,
 )
 
