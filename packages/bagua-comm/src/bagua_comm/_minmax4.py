@@ -19,12 +19,15 @@ Error feedback (``error_feedback=True``) keeps the residual ``x - x'`` per ``key
 to the next input compressed under that key, exactly as :class:`MinMaxUInt8` does; residuals
 are ``state_dict()["residuals"]`` (float32 by key), so bagua-algos checkpoints them.
 
-The kernels are plain torch operations (CPU and CUDA alike, no CuPy); the bytes are defined by
-the formula above, so any implementation of it (e.g. a numpy one) produces the same payload.
+On CPU the kernels are Cython (``_minmax.encode4`` / ``decode4``: one min/max pass and one
+encoding pass, without the GIL); on CUDA plain torch operations (no CuPy).  The bytes are
+defined by the formula above, so every implementation of it (the two paths, a numpy one)
+produces the same payload.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .compression import (
@@ -32,6 +35,8 @@ from .compression import (
     HEADER_BYTES,
     RECORD_ALIGN,
     Compressor,
+    _as_numpy,
+    _lut,
     _ResidualsByKey,
     header_bytes,
 )
@@ -163,6 +168,20 @@ def _check_numel(numel, chunks, name):
 
 
 def _encode(flat: torch.Tensor, chunks: int, payload: torch.Tensor) -> torch.Tensor:
+    if flat.is_cuda:
+        return _encode_torch(flat, chunks, payload)
+    return _encode_cpu(flat, chunks, payload)
+
+
+def _decode(payload: torch.Tensor, out: torch.Tensor, chunks: int, dtype: torch.dtype) -> None:
+    if out.is_cuda:
+        _decode_torch(payload, out, chunks, dtype)
+    else:
+        _decode_cpu(payload, out, chunks, dtype)
+
+
+def _encode_torch(flat: torch.Tensor, chunks: int, payload: torch.Tensor) -> torch.Tensor:
+    """The format in torch operations (the CUDA path; any device)."""
     m = flat.numel() // chunks
     rec = record_bytes4(m)
     rows = flat.float().view(chunks, m)
@@ -185,7 +204,28 @@ def _encode(flat: torch.Tensor, chunks: int, payload: torch.Tensor) -> torch.Ten
     return payload
 
 
-def _decode(payload: torch.Tensor, out: torch.Tensor, chunks: int, dtype: torch.dtype) -> None:
+def _encode_cpu(flat: torch.Tensor, chunks: int, payload: torch.Tensor) -> torch.Tensor:
+    """The Cython kernels of ``_minmax`` (one min/max pass, one encoding pass, no GIL)."""
+    from . import _minmax
+
+    m = flat.numel() // chunks
+    rec = record_bytes4(m)
+    rows = payload.view(chunks, rec)
+    mins = np.empty(chunks, dtype=np.float32)
+    maxs = np.empty(chunks, dtype=np.float32)
+    src = _as_numpy(flat)
+    kind, lut = _KINDS[flat.dtype], _lut(flat.dtype)
+    _minmax.minmax(src, kind, lut, chunks, mins, maxs)
+    _minmax.encode4(src, kind, lut, chunks, mins, maxs, payload.numpy(), rec, HEADER_BYTES)
+    isz = flat.element_size()
+    rows[:, :2 * isz] = header_bytes(torch.from_numpy(mins), torch.from_numpy(maxs), flat.dtype)
+    rows[:, 2 * isz:HEADER_BYTES] = 0
+    rows[:, HEADER_BYTES + m // 2:] = 0
+    return payload
+
+
+def _decode_torch(payload: torch.Tensor, out: torch.Tensor, chunks: int,
+                  dtype: torch.dtype) -> None:
     m = out.numel() // chunks
     rec = record_bytes4(m)
     rows = payload.view(chunks, rec)
@@ -197,3 +237,15 @@ def _decode(payload: torch.Tensor, out: torch.Tensor, chunks: int, dtype: torch.
     q[:, 0::2] = (codes & 15).float()
     q[:, 1::2] = (codes >> 4).float()
     q.add_(lower[:, None]).div_(scale[:, None])
+
+
+def _decode_cpu(payload: torch.Tensor, out: torch.Tensor, chunks: int,
+                dtype: torch.dtype) -> None:
+    from . import _minmax
+
+    rec = record_bytes4(out.numel() // chunks)
+    isz = torch.empty(0, dtype=dtype).element_size()
+    header = payload.view(chunks, rec)[:, :2 * isz].contiguous().view(dtype).float()
+    _minmax.decode4(payload.numpy(), rec, HEADER_BYTES, chunks,
+                    header[:, 0].contiguous().numpy(), header[:, 1].contiguous().numpy(),
+                    out.numpy())
