@@ -15,9 +15,10 @@ zero-padded to 32 bytes, then ``m / 2`` code bytes (element ``2k`` in the low ni
 ``2k + 1`` in the high nibble), zero-padded so the record is a multiple of 32 bytes.  A chunk
 holding NaN or an infinity is written as ``[NaN, NaN]`` with codes 0 and decodes to NaN.
 
-Error feedback (``error_feedback=True``) keeps the residual ``x - x'`` per ``key`` and adds it
-to the next input compressed under that key, exactly as :class:`MinMaxUInt8` does; residuals
-are ``state_dict()["residuals"]`` (float32 by key), so bagua-algos checkpoints them.
+Error feedback (``error_feedback=True``) is :class:`~bagua_comm.compression.ErrorFeedback`
+around the plain form, as for :class:`MinMaxUInt8`: the residual ``x - x'`` per ``key`` is
+added to the next input compressed under that key; residuals are
+``state_dict()["residuals"]`` (float32 by key), so bagua-algos checkpoints them.
 
 On CPU the kernels are Cython (``_minmax.encode4`` / ``decode4``: one min/max pass and one
 encoding pass, without the GIL); on CUDA plain torch operations (no CuPy).  The bytes are
@@ -35,9 +36,11 @@ from .compression import (
     HEADER_BYTES,
     RECORD_ALIGN,
     Compressor,
+    ErrorFeedback,
     _as_numpy,
     _lut,
     _ResidualsByKey,
+    _WithErrorFeedback,
     header_bytes,
 )
 
@@ -57,7 +60,7 @@ def _params(mins: torch.Tensor, maxs: torch.Tensor):
     return scale, upper, upper - LEVELS
 
 
-class MinMaxUInt4(_ResidualsByKey, Compressor):
+class MinMaxUInt4(_WithErrorFeedback, _ResidualsByKey, Compressor):
     """4-bit min-max quantisation in ``chunks`` chunks: about 1/8 of float32's bytes.
 
     Args:
@@ -73,7 +76,7 @@ class MinMaxUInt4(_ResidualsByKey, Compressor):
             raise ValueError(f"chunks must be a positive int, got {chunks!r}")
         self.chunks = chunks
         self.error_feedback = bool(error_feedback)
-        self._residuals: dict[str, torch.Tensor] = {}
+        self._ef = ErrorFeedback(MinMaxUInt4(chunks)) if error_feedback else None
 
     def __repr__(self) -> str:
         return f"MinMaxUInt4(chunks={self.chunks}, error_feedback={self.error_feedback})"
@@ -109,21 +112,9 @@ class MinMaxUInt4(_ResidualsByKey, Compressor):
                              f"{flat.device}")
         if out is None:
             out = torch.empty(size, dtype=torch.uint8, device=flat.device)
-        if not self.error_feedback:
-            return _encode(flat, chunks, out.view(-1))
-        res = self._residuals.get(key)
-        if res is not None and (res.shape != flat.shape or res.device != flat.device):
-            raise ValueError(f"error-feedback residual for key {key!r} has {res.numel()} "
-                             f"elements on {res.device}; this tensor has {flat.numel()} on "
-                             f"{flat.device}: use one key per tensor (or reset_residuals())")
-        corrected = flat.float() if res is None else flat.float() + res
-        payload = _encode(corrected.to(tensor.dtype), chunks, out.view(-1))
-        decoded = torch.empty_like(corrected)
-        _decode(payload, decoded, chunks, tensor.dtype)
-        res = corrected - decoded
-        res.view(chunks, -1)[~torch.isfinite(decoded.view(chunks, -1)).all(1)] = 0
-        self._residuals[key] = res
-        return payload
+        if self._ef is not None:
+            return self._ef.compress(tensor, chunks=chunks, key=key, out=out)
+        return _encode(flat, chunks, out.view(-1))
 
     def decompress(self, payload: torch.Tensor, out: torch.Tensor, *,
                    chunks: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
