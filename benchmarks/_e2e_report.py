@@ -170,7 +170,7 @@ def _mode(r: dict) -> str:
     from _e2e_rows import mode_note
 
     note = mode_note(r["algorithm"], r.get("procs_per_host") or 1,
-                     powersgd_rank=r.get("powersgd_rank") or 2,
+                     powersgd_rank=r.get("powersgd_rank") or 2, warmup=r.get("warmup") or 2,
                      async_interval_ms=r.get("sync_interval_ms"),
                      sync_every=r.get("sync_every"))
     if r["algorithm"] == "async" and r.get("async_rounds_in_window") is not None:

@@ -33,9 +33,24 @@ _VARIANTS = {  # row name: (registry name, fixed keyword arguments)
     "bytegrad_flat": ("bytegrad", {"hierarchical": False}),
     "decentralized": ("decentralized", {"peer_selection_mode": "all"}),
     "decentralized_shift_one": ("decentralized", {"peer_selection_mode": "shift_one"}),
-    "topk": ("topk", {"density": 0.01}),           # values 8-bit: see bagua_spec
+    # TopK, values min-max quantised (8-bit; 4-bit for a "_u4" row).  "topk" is the main
+    # job's row: 0.5%, the density whose bytes stay under the PowerSGD hook's on 4 hosts
+    # (an allgather grows with the rank count); the others are opt-in, for comparison.
+    "topk": ("topk", {"density": 0.005}),
+    "topk_u4": ("topk", {"density": 0.005}),
+    "topk_1pct": ("topk", {"density": 0.01}),
+    "topk_1pct_u4": ("topk", {"density": 0.01}),
     "low_rank": ("low_rank", {"rank": 2}),         # as ddp_powersgd's default rank
 }
+
+
+def powersgd_start(warmup: int) -> int:
+    """The uncompressed warm-up steps of ``ddp_powersgd`` (its ``start_powerSGD_iter``: at
+    least 2, torch's minimum with error feedback) and of ``low_rank`` (``start_step``), the
+    same for both so that their losses compare: without it LowRank's loss after 30 steps was
+    2.97 against the hook's 2.18 (2 ranks, small), with it 2.19
+    (``benchmarks/low_rank_vs_powersgd.py``)."""
+    return max(2, warmup)
 
 
 def default_rows(procs_per_host: int) -> list[str]:
@@ -43,14 +58,16 @@ def default_rows(procs_per_host: int) -> list[str]:
     return [r for r in DEFAULT_ROWS if procs_per_host > 1 or r != "bytegrad_flat"]
 
 
-def bagua_spec(row: str, procs_per_host: int) -> tuple[str, dict]:
-    """``(registry name, kwargs)`` of a bagua row."""
+def bagua_spec(row: str, procs_per_host: int, *, warmup: int = 2) -> tuple[str, dict]:
+    """``(registry name, kwargs)`` of a bagua row (``warmup``: the job's warm-up steps)."""
     name, kwargs = _VARIANTS.get(row, (row, {}))
     kwargs = dict(kwargs)
-    if row == "topk":     # 1% of the entries, values min-max 8-bit: bytes under PowerSGD's
-        from bagua_comm.compression import MinMaxUInt8
+    if row == "low_rank":
+        kwargs["start_step"] = powersgd_start(warmup)
+    if name == "topk":    # values min-max quantised, 4-bit where the row name says so
+        from bagua_comm.compression import MinMaxUInt4, MinMaxUInt8
 
-        kwargs["compressor"] = MinMaxUInt8(1)
+        kwargs["compressor"] = MinMaxUInt4(1) if row.endswith("_u4") else MinMaxUInt8(1)
     if name in HIERARCHICAL and "hierarchical" not in kwargs:
         kwargs["hierarchical"] = procs_per_host > 1
     return name, kwargs
@@ -69,7 +86,7 @@ def sync_every_for(ddp_step_s: float, compute_s: float, budget_s: float, *,
     return max(2, min(want, cap, 512))
 
 
-def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2,
+def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2, warmup: int = 2,
               async_interval_ms: float | None = None, sync_every: int | None = None) -> str:
     """The short mode description printed in the table's ``mode`` column."""
     if row == "ddp":
@@ -77,17 +94,19 @@ def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2,
     if row == "ddp_fp16":
         return "fp16 hook"
     if row == "ddp_powersgd":
-        return f"rank {powersgd_rank}, EF, warm"
+        return f"rank {powersgd_rank}, EF, warm, start {powersgd_start(warmup)}"
     if row == "ddp_bytegrad_hook":
         return "8-bit hook, flat"
     if row == "async":
         return f"every {async_interval_ms:g}ms"
     if row in SYNC_ROWS and sync_every:
         return f"H={sync_every}"
-    if row == "topk":
-        return f"1%, 8-bit values, EF, {'hier' if procs_per_host > 1 else 'flat'}"
+    if row.startswith("topk"):
+        density = _VARIANTS[row][1]["density"]
+        return (f"{density:.1%}, {4 if row.endswith('_u4') else 8}-bit values, EF, "
+                f"{'hier' if procs_per_host > 1 else 'flat'}")
     if row == "low_rank":
-        return "rank 2, EF, warm"
+        return f"rank 2, EF, warm, start {powersgd_start(warmup)}"
     _name, kwargs = bagua_spec(row, procs_per_host)
     parts = []
     if "peer_selection_mode" in kwargs:

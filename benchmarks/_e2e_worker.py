@@ -38,6 +38,7 @@ from _e2e_rows import (
     AllReduceCounter,
     bagua_spec,
     build_torch,
+    powersgd_start,
     sync_every_for,
 )
 
@@ -56,7 +57,7 @@ def _build(name: str, model, args):
     if name in TORCH_ROWS or name in HOOK_ROWS:
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         return build_torch(name, model, powersgd_rank=args.powersgd_rank,
-                           powersgd_start=max(2, args.warmup)), opt
+                           powersgd_start=powersgd_start(args.warmup)), opt
     try:
         import bagua_algos
     except ImportError as err:
@@ -65,7 +66,7 @@ def _build(name: str, model, args):
     if missing:
         raise Unavailable(f"bagua_algos {bagua_algos.__version__} has no {', '.join(missing)} "
                           f"yet")
-    algo_name, kwargs = bagua_spec(name, args.procs_per_host)
+    algo_name, kwargs = bagua_spec(name, args.procs_per_host, warmup=args.warmup)
     if algo_name == "qadam":
         if not hasattr(bagua_algos, "QAdamOptimizer"):
             raise Unavailable("bagua_algos has no QAdamOptimizer yet")
@@ -287,6 +288,7 @@ def _combine(name: str, recs: list[dict], args, params: int, world: int) -> dict
         "async_rounds_in_window": recs[0]["rounds"] if name == "async" else None,
         "sync_interval_ms": args.async_interval_ms if name == "async" else None,
         "powersgd_rank": args.powersgd_rank if name == "ddp_powersgd" else None,
+        "warmup": args.warmup,
         "sync_every": args.chosen_sync_every if name in SYNC_ROWS else None,
         "loss": sum(r["eval_loss"] for r in recs) / len(recs),
         "train_loss": sum(c[1] for c in curve[max(0, args.steps - 5):args.steps]) / min(

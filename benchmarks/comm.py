@@ -11,9 +11,12 @@
    the Cython kernels against the same computation written with torch ops (same bytes,
    checked), and against a plain copy of the same bytes (the faster of ``Tensor.copy_`` and
    ``numpy.copyto``: the memory limit).
+3. MinMaxUInt4 on one thread: compress, decompress and the round trip (compress then
+   decompress) as a fraction of the same copy's bandwidth (target >= 50%).
 
     python benchmarks/comm.py            # 4 KiB .. 64 MiB, 64 MiB compression input
     python benchmarks/comm.py --quick    # well under a minute
+    python benchmarks/comm.py --compression-only   # 2. and 3. only
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import bagua_comm as bc
-from bagua_comm.compression import HEADER_BYTES, MinMaxUInt8, record_bytes
+from bagua_comm.compression import HEADER_BYTES, MinMaxUInt4, MinMaxUInt8, record_bytes
 from bagua_comm.testing import run_ranks
 
 PRIMITIVES = ["allreduce", "allgather", "reduce_scatter", "alltoall"]
@@ -216,10 +219,43 @@ def compression(nbytes, chunks, reps):
           f"ours / memcpy = {gbs['decompress (ours)'] / mc:.0%}")
 
 
+def compression4(nbytes, chunks, reps):
+    """MinMaxUInt4 on one thread: compress, decompress and the round trip against a copy of
+    the same bytes (the faster of ``Tensor.clone``-style ``copy_`` and ``numpy.copyto``)."""
+    import numpy as np
+
+    torch.set_num_threads(1)
+    x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(0))
+    c = MinMaxUInt4(chunks)
+    buf = torch.empty(c.payload_numel(x.numel()), dtype=torch.uint8)
+    payload = c.compress(x)
+    out, copy_dst = torch.empty_like(x), torch.empty_like(x)
+    copy_dst.copy_(x), out.zero_()  # touch every page first
+    xn, dn = x.numpy(), copy_dst.numpy()
+    t = _interleaved({
+        "compress (out=)": lambda: c.compress(x, out=buf),
+        "decompress": lambda: c.decompress(payload, out),
+        "copy (Tensor.copy_)": lambda: copy_dst.copy_(x),
+        "copy (numpy.copyto)": lambda: np.copyto(dn, xn),
+    }, reps)
+    gbs = {k: nbytes / v / 1e9 for k, v in t.items()}
+    print(f"\n# MinMaxUInt4, one thread, {_fmt_size(nbytes)} of float32 in {chunks} chunks; "
+          f"medians of {reps} interleaved rounds")
+    for k, v in gbs.items():
+        print(f"{k:<26}{v:>8.2f} GB/s")
+    mc = max(gbs["copy (Tensor.copy_)"], gbs["copy (numpy.copyto)"])
+    trip = nbytes / (t["compress (out=)"] + t["decompress"]) / 1e9
+    print(f"compress / memcpy = {gbs['compress (out=)'] / mc:.0%}; decompress / memcpy = "
+          f"{gbs['decompress'] / mc:.0%}; compress + decompress (one round trip) = "
+          f"{trip:.2f} GB/s = {trip / mc:.0%} of memcpy (target >= 50%)")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes, few rounds (< 1 minute)")
     p.add_argument("--world", type=int, default=2, help="gloo ranks (default 2)")
+    p.add_argument("--compression-only", action="store_true",
+                   help="only the compressors' throughput (no collectives)")
     args = p.parse_args(argv)
     if args.quick:
         sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20]
@@ -227,11 +263,13 @@ def main(argv=None):
     else:
         sizes = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB .. 64 MiB
         rounds, budget, comp_bytes, reps = 9, 64 << 20, 64 << 20, 11
-    rows, overhead = run_ranks(_collectives, args.world, args=(sizes, rounds, budget),
-                               timeout=1800)[0]
-    print_collectives(rows, args.world)
-    print_overhead(overhead)
+    if not args.compression_only:
+        rows, overhead = run_ranks(_collectives, args.world, args=(sizes, rounds, budget),
+                                   timeout=1800)[0]
+        print_collectives(rows, args.world)
+        print_overhead(overhead)
     compression(comp_bytes, chunks=args.world * 4, reps=reps)
+    compression4(comp_bytes, chunks=args.world * 4, reps=reps)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@
 2 gloo ranks, the conv net of ``qadam_digits.py`` (Bagua's MNIST example sized for 8x8
 digits), Adam lr 1e-3, batch 64 per rank, 14 epochs, the same weights and batches for every
 row of a seed.  Rows: ``ddp`` (GradientAllReduce, which is DDP bit for bit), ``topk`` (1% of
-the entries per parameter, 8-bit values, as the main job's ``topk`` row), ``topk_fp`` (1%,
-values in float32), ``low_rank`` (rank 2).  Prints correct/450 per seed and row, the mean,
+the entries per parameter, 8-bit values; the main job's ``topk`` row sends 0.5%),
+``topk_fp`` (1%, values in float32), ``low_rank`` (rank 2).  Prints correct/450 per seed and row, the mean,
 and each row's mean difference from ``ddp`` in accuracy points (target: within 1 point).
 """
 

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch
 from _common import batch, loss_fn, make_model, params
-from _ef_harness import checkpoint_cycle, resume_elsewhere, sgd, train
+from _ef_harness import SAVE_AT, checkpoint_cycle, resume_elsewhere, sgd, train
 
 from bagua_algos import Algorithm, GradientAllReduce, LowRank
 from bagua_algos.algorithms.low_rank import initial_q, matrix_shape
 from bagua_comm.testing import run_ranks
 
 STEPS = 6
+WARMUP = 2
 
 
 def _low_rank():
@@ -27,7 +28,9 @@ def _all():
             "low": train(_low_rank, STEPS),
             "rebucketed": train(_low_rank, STEPS, rebucket_at=3),
             "cold": train(lambda: LowRank(rank=1, warm_start=False), 3)[0],
-            "ckpt": checkpoint_cycle(_low_rank)}
+            "warmup": train(lambda: LowRank(rank=2, start_step=WARMUP), STEPS)[0],
+            "ckpt": checkpoint_cycle(_low_rank),
+            "ckpt_warmup": checkpoint_cycle(lambda: LowRank(rank=2, start_step=SAVE_AT + 2))}
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +45,10 @@ def test_full_rank_is_gradient_allreduce_up_to_rounding(results):
                 torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
 
 
-def reference(steps, world, rank=2, rate=2.0, lr=0.05):
+def reference(steps, world, rank=2, rate=2.0, lr=0.05, start_step=0):
     """Single process, numpy float64: PowerSGD with error feedback and warm start (QR for
-    the orthogonalisation, so only the column signs of P may differ, which M̂ ignores)."""
+    the orthogonalisation, so only the column signs of P may differ, which M̂ ignores),
+    after ``start_step`` steps of the plain average."""
     model = make_model(seed=1)
     opt = sgd(model, lr)
     named = list(model.named_parameters())
@@ -59,7 +63,8 @@ def reference(steps, world, rank=2, rate=2.0, lr=0.05):
         for name, p in named:
             shape = matrix_shape(p)
             rr = min(rank, *shape) if shape else 0
-            if shape is None or shape[0] * shape[1] < rate * rr * sum(shape):
+            if (shape is None or shape[0] * shape[1] < rate * rr * sum(shape)
+                    or step < start_step):
                 p.grad = torch.from_numpy(sum(g[name] for g in grads) / world).float()
                 continue
             ms = [g[name].reshape(shape) + err[r].get(name, 0) for r, g in enumerate(grads)]
@@ -88,6 +93,23 @@ def test_low_rank_steps_match_numpy_reference_and_ranks_stay_identical(results):
                                                                    results[0]["gar"][-1]))
     for a, b in zip(results[0]["cold"], results[1]["cold"]):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_start_step_warms_up_with_the_plain_average_then_compresses(results):
+    want = reference(STEPS, 2, start_step=WARMUP)
+    for r in results:
+        for step in range(STEPS):
+            if step < WARMUP:   # the plain average: GradientAllReduce
+                for x, y in zip(r["warmup"][step], r["gar"][step]):
+                    torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
+            for x, w in zip(r["warmup"][step], want[step]):
+                torch.testing.assert_close(x, w, atol=2e-5, rtol=1e-4)
+    # compression starts at WARMUP: after it the model leaves GradientAllReduce's path
+    assert not all(torch.allclose(x, y, atol=1e-4) for x, y in zip(results[0]["warmup"][-1],
+                                                                   results[0]["gar"][-1]))
+    for r in results:   # a resume inside the warm-up finishes it, then compresses, exactly
+        exact, saved, _ = r["ckpt_warmup"]
+        assert exact and saved["rounds"] == SAVE_AT and not saved["residuals"]
 
 
 def test_state_survives_rebucketing_by_parameter_name(results):
@@ -124,7 +146,10 @@ def test_conv_weights_are_viewed_as_matrices():
 
 @pytest.mark.parametrize("kwargs, name", [({"rank": 0}, "rank"), ({"rank": 1.5}, "rank"),
                                           ({"min_compression_rate": -1}, "min_compression_rate"),
-                                          ({"warm_start": 1}, "warm_start")])
+                                          ({"warm_start": 1}, "warm_start"),
+                                          ({"start_step": -1}, "start_step"),
+                                          ({"start_step": 1.5}, "start_step"),
+                                          ({"start_step": True}, "start_step")])
 def test_bad_arguments_raise_naming_them(kwargs, name):
     with pytest.raises(ValueError, match=name):
         LowRank(**kwargs)

@@ -141,7 +141,7 @@ def test_error_feedback_reuses_its_two_buffers_step_after_step(dtype):
         assert torch.equal(ef.compress(g, key="w"), want)
         res = corrected - plain.decompress(want, torch.empty(256), dtype=dtype)
         assert torch.equal(ef.residual("w"), res)
-        buffers.add((ef._residuals["w"].data_ptr(), ef._corrected["w"].data_ptr()))
+        buffers.add((ef._residuals["w"].data_ptr(), ef._ef._corrected["w"].data_ptr()))
     assert len(buffers) == 1, "error feedback allocated full-size buffers again"
 
 

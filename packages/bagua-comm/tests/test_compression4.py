@@ -73,7 +73,9 @@ def _inputs(dtype):
              ("ties", torch.arange(-300, 300, dtype=torch.float32) / 4, 4),
              ("constant and signed zeros", torch.tensor([0.0, -0.0, 3.0, 3.0] * 4), 2),
              ("large", torch.randn(256, generator=g) * 1e4 + 3e4, 2),
-             ("non-finite chunks", x, 6)]
+             ("non-finite chunks", x, 6),
+             # constant chunks: bounds far beyond 2**22, the kernels' general path
+             ("constant chunks", torch.tensor([1000.0] * 8 + [-2.5] * 8 + [0.0] * 8), 3)]
     return [(n, t.to(dtype), c) for n, t, c in cases]
 
 
@@ -91,6 +93,26 @@ def test_payload_and_decoding_match_the_numpy_formula(dtype):
         want = ref_decompress(expected, NP_NAME[dtype], x.numel(), chunks)
         assert torch.equal(wide.isnan(), torch.from_numpy(np.isnan(want))), name
         assert np.array_equal(wide.numpy(), want, equal_nan=True), name
+
+
+@pytest.mark.parametrize("dtype", list(NP_NAME), ids=lambda d: str(d)[6:])
+def test_cpu_kernels_and_torch_ops_path_write_the_same_bytes(dtype):
+    """The CUDA path (torch operations) run on CPU tensors against the Cython kernels."""
+    from bagua_comm import _minmax4
+
+    g = torch.Generator().manual_seed(5)
+    for name, x, chunks in _inputs(dtype) + [("big", torch.randn(1 << 16, generator=g)
+                                                       .to(dtype), 16)]:
+        flat = x.reshape(-1)
+        size = MinMaxUInt4(chunks).payload_numel(flat.numel())
+        a = _minmax4._encode_cpu(flat, chunks, torch.full((size,), 7, dtype=torch.uint8))
+        b = _minmax4._encode_torch(flat, chunks, torch.full((size,), 9, dtype=torch.uint8))
+        assert torch.equal(a, b), name
+        da, db = torch.empty(flat.numel()), torch.empty(flat.numel())
+        _minmax4._decode_cpu(a, da, chunks, dtype)
+        _minmax4._decode_torch(a, db, chunks, dtype)
+        assert torch.equal(da.isnan(), db.isnan()), name
+        assert torch.equal(da.nan_to_num(), db.nan_to_num()), name
 
 
 def test_sizes_error_bound_and_bad_input():

@@ -9,6 +9,7 @@ it instead of re-typing the flat-async / hierarchical-on-a-thread split.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -22,39 +23,117 @@ class Handle:
     """Completion handle of a bucket's communication, chainable like ``torch.futures.Future``.
 
     ``then(fn)`` returns a new handle that completes once this one has and ``fn(self)`` has
-    run; ``fn``'s return value is the new handle's :meth:`value`.  Callbacks run in the thread
-    that observes completion (:meth:`wait` or a :meth:`is_completed` that returns True), never
-    on a communication thread, so they may touch tensors the training thread owns.
+    run; ``fn``'s return value is the new handle's :meth:`value`.  ``fn`` runs **when this
+    handle completes**, whether or not anyone waits: on the thread that completes it (the
+    reducer's runner thread, or a shared waiter thread for a primitive's asynchronous work),
+    or at once in the caller's thread if it has already completed.  A chain of dependent
+    collectives (P then Q) therefore progresses during backward.  ``fn`` runs on the CUDA
+    stream that was current when ``then`` was called.  An exception (in the work or in a
+    callback) completes every handle further down the chain with it; :meth:`wait` raises it.
     """
 
-    __slots__ = ("_done", "_fn", "_parent", "_value", "_work")
+    __slots__ = ("_callbacks", "_claimed", "_error", "_event", "_lock", "_value", "_watched",
+                 "_work")
 
-    def __init__(self, work: Any = None, *, parent: Handle | None = None,
-                 fn: Callable[[Handle], Any] | None = None):
+    def __init__(self, work: Any = None):
         self._work = work            # anything with wait() (and is_completed()), or None
-        self._parent = parent
-        self._fn = fn
-        self._done = False
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._callbacks: list[Callable[[Handle], None]] = []
+        self._claimed = work is None  # someone is (or no one need be) waiting on the work
+        self._watched = False
         self._value = None
+        self._error: BaseException | None = None
+        if work is None:
+            self._event.set()
 
     @classmethod
     def completed(cls, value: Any = None) -> Handle:
         h = cls()
-        h._done, h._value = True, value
+        h._value = value
         return h
 
+    # -- completion -------------------------------------------------------------------------
+    def _complete(self, value: Any = None, error: BaseException | None = None) -> None:
+        with self._lock:
+            self._value, self._error = value, error
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb(self)
+
+    def _claim(self) -> bool:
+        """True for the one caller that is to wait on the work and complete this handle."""
+        with self._lock:
+            if self._claimed:
+                return False
+            self._claimed = True
+            return True
+
+    def _settle(self) -> None:
+        """Wait for the work (this thread) and complete the handle with its outcome."""
+        try:
+            self._work.wait()
+        except BaseException as err:  # handed to whoever waits
+            self._complete(error=err)
+        else:
+            self._complete()
+
+    def _watch(self) -> None:
+        """Have the work's completion complete this handle without a waiter in the caller."""
+        with self._lock:
+            if self._watched or self._event.is_set():
+                return
+            self._watched = True
+        if not self._claim():
+            return
+        work = self._work
+        if isinstance(work, _FutureWork):
+            work.add_done_callback(lambda _f: self._settle())   # wait() returns at once
+        else:
+            _waiter().submit(self._settle)
+
+    def _on_done(self, cb: Callable[[Handle], None]) -> None:
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(cb)
+                cb = None
+        if cb is not None:
+            cb(self)
+        else:
+            self._watch()
+
+    # -- the torch.futures.Future-like surface -----------------------------------------------
     def then(self, fn: Callable[[Handle], Any]) -> Handle:
-        return Handle(parent=self, fn=fn)
+        child = Handle.__new__(Handle)
+        Handle.__init__(child, _PENDING)
+        child._claimed = True           # completed by this handle's callback, never waited on
+        stream = _current_cuda_stream()
+
+        def run(parent: Handle) -> None:
+            if parent._error is not None:
+                child._complete(error=parent._error)
+                return
+            try:
+                if stream is None:
+                    value = fn(parent)
+                else:
+                    with torch.cuda.stream(stream):
+                        value = fn(parent)
+            except BaseException as err:  # handed to whoever waits
+                child._complete(error=err)
+            else:
+                child._complete(value)
+
+        self._on_done(run)
+        return child
 
     def wait(self) -> Any:
-        if not self._done:
-            if self._parent is not None:
-                self._parent.wait()
-            if self._work is not None:
-                self._work.wait()
-            if self._fn is not None:
-                self._value = self._fn(self._parent if self._parent is not None else self)
-            self._done = True
+        if not self._event.is_set() and self._claim():
+            self._settle()
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
         return self._value
 
     def value(self) -> Any:
@@ -62,14 +141,39 @@ class Handle:
         return self.wait()
 
     def is_completed(self) -> bool:
-        if self._done:
+        if self._event.is_set():
             return True
-        if self._parent is not None and not self._parent.is_completed():
-            return False
-        if self._work is not None and not self._work.is_completed():
-            return False
-        self.wait()
-        return True
+        work = self._work
+        if work is not _PENDING and work.is_completed() and self._claim():
+            self._settle()
+        return self._event.is_set()
+
+
+class _Pending:
+    """The work of a chained handle: completed by its parent's callback."""
+
+    def wait(self) -> None:  # pragma: no cover - a chained handle is never claimed
+        raise AssertionError("a chained handle completes through its parent")
+
+    def is_completed(self) -> bool:
+        return False
+
+
+_PENDING = _Pending()
+_waiter_pool: ThreadPoolExecutor | None = None
+_waiter_lock = threading.Lock()
+
+
+def _waiter() -> ThreadPoolExecutor:
+    """The thread that waits on primitives' asynchronous work for chained handles (one per
+    process, started on first use; works complete in the order collectives were issued, so
+    one thread waiting on them in turn loses nothing)."""
+    global _waiter_pool
+    with _waiter_lock:
+        if _waiter_pool is None:
+            _waiter_pool = ThreadPoolExecutor(max_workers=1,
+                                              thread_name_prefix="bagua-handle-waiter")
+        return _waiter_pool
 
 
 class _FutureWork:
@@ -77,6 +181,10 @@ class _FutureWork:
 
     def __init__(self, future: Future):
         self._future = future
+
+    def add_done_callback(self, fn: Callable[[Future], None]) -> None:
+        """``fn(future)`` on the runner thread once the job has finished (at once if it has)."""
+        self._future.add_done_callback(fn)
 
     def wait(self) -> None:
         self._future.result()

@@ -190,3 +190,83 @@ def decode(const uint8_t[::1] payload, Py_ssize_t record, Py_ssize_t header,
             dst = &out[c * m]
             for i in range(m):
                 dst[i] = (<float>codes[i] + lower) / scale
+
+
+# -- MinMaxUInt4 (``_minmax4.py``): the same rules at 15 levels, two codes per byte ------------
+cdef inline float _scale4(float mn, float mx) noexcept nogil:
+    return <float>15.0 / ((mx - mn) + <float>1e-7)
+
+
+cdef inline uint8_t _code4_small(float v, float lower, float upper) noexcept nogil:
+    # as _codes_small: clamp to [lower, upper] (integers), then round half to even
+    v = v if v < upper else upper
+    v = v if v > lower else lower
+    v = (v + <float>12582912.0) - <float>12582912.0
+    return <uint8_t>(<int>(v - lower))
+
+
+cdef inline uint8_t _code4_general(float v, float lower, float upper) noexcept nogil:
+    cdef float q = _rint(v)
+    q = q if q < upper else upper
+    q = q - lower
+    q = q if q > 0 else <float>0.0
+    q = q if q < <float>15.0 else <float>15.0
+    return <uint8_t>q
+
+
+cdef void _codes4(const src_t* p, Py_ssize_t m, int kind, const float* tab, float scale,
+                  float lower, float upper, uint8_t* out) noexcept nogil:
+    """Element ``2k`` in the low nibble of ``out[k]``, ``2k + 1`` in the high one."""
+    cdef Py_ssize_t k
+    cdef uint8_t a, b
+    if fabsf(upper) <= <float>4194304.0 and fabsf(lower) <= <float>4194304.0:
+        for k in range(m // 2):
+            a = _code4_small(_load(p, 2 * k, kind, tab) * scale, lower, upper)
+            b = _code4_small(_load(p, 2 * k + 1, kind, tab) * scale, lower, upper)
+            out[k] = a | (b << 4)
+    else:
+        for k in range(m // 2):
+            a = _code4_general(_load(p, 2 * k, kind, tab) * scale, lower, upper)
+            b = _code4_general(_load(p, 2 * k + 1, kind, tab) * scale, lower, upper)
+            out[k] = a | (b << 4)
+
+
+def encode4(const src_t[::1] src, int kind, const float[::1] lut, Py_ssize_t chunks,
+            const float[::1] mins, const float[::1] maxs, uint8_t[::1] payload,
+            Py_ssize_t record, Py_ssize_t header):
+    """One pass: chunk ``c``'s ``m / 2`` code bytes go to ``payload[c * record + header:]``."""
+    cdef Py_ssize_t m = src.shape[0] // chunks
+    cdef Py_ssize_t c
+    cdef float scale, upper, lower
+    cdef const float* tab = &lut[0] if lut.shape[0] else NULL
+    cdef const src_t* p = &src[0]
+    cdef uint8_t* out
+    with nogil:
+        for c in range(chunks):
+            out = &payload[c * record + header]
+            if mins[c] != mins[c]:  # non-finite chunk: codes 0, decodes to NaN
+                memset(out, 0, m // 2)
+                continue
+            scale = _scale4(mins[c], maxs[c])
+            upper = _rint(maxs[c] * scale)
+            lower = upper - <float>15.0
+            _codes4(p + c * m, m, kind, tab, scale, lower, upper, out)
+
+
+def decode4(const uint8_t[::1] payload, Py_ssize_t record, Py_ssize_t header,
+            Py_ssize_t chunks, const float[::1] mins, const float[::1] maxs, float[::1] out):
+    """``out[c * m + i] = (q + lower) / scale`` in float32, two codes per byte."""
+    cdef Py_ssize_t m = out.shape[0] // chunks
+    cdef Py_ssize_t c, k
+    cdef float scale, lower
+    cdef const uint8_t* codes
+    cdef float* dst
+    with nogil:
+        for c in range(chunks):
+            scale = _scale4(mins[c], maxs[c])
+            lower = _rint(maxs[c] * scale) - <float>15.0
+            codes = &payload[c * record + header]
+            dst = &out[c * m]
+            for k in range(m // 2):
+                dst[2 * k] = (<float>(codes[k] & 15) + lower) / scale
+                dst[2 * k + 1] = (<float>(codes[k] >> 4) + lower) / scale

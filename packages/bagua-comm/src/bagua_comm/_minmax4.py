@@ -15,16 +15,20 @@ zero-padded to 32 bytes, then ``m / 2`` code bytes (element ``2k`` in the low ni
 ``2k + 1`` in the high nibble), zero-padded so the record is a multiple of 32 bytes.  A chunk
 holding NaN or an infinity is written as ``[NaN, NaN]`` with codes 0 and decodes to NaN.
 
-Error feedback (``error_feedback=True``) keeps the residual ``x - x'`` per ``key`` and adds it
-to the next input compressed under that key, exactly as :class:`MinMaxUInt8` does; residuals
-are ``state_dict()["residuals"]`` (float32 by key), so bagua-algos checkpoints them.
+Error feedback (``error_feedback=True``) is :class:`~bagua_comm.compression.ErrorFeedback`
+around the plain form, as for :class:`MinMaxUInt8`: the residual ``x - x'`` per ``key`` is
+added to the next input compressed under that key; residuals are
+``state_dict()["residuals"]`` (float32 by key), so bagua-algos checkpoints them.
 
-The kernels are plain torch operations (CPU and CUDA alike, no CuPy); the bytes are defined by
-the formula above, so any implementation of it (e.g. a numpy one) produces the same payload.
+On CPU the kernels are Cython (``_minmax.encode4`` / ``decode4``: one min/max pass and one
+encoding pass, without the GIL); on CUDA plain torch operations (no CuPy).  The bytes are
+defined by the formula above, so every implementation of it (the two paths, a numpy one)
+produces the same payload.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .compression import (
@@ -32,7 +36,11 @@ from .compression import (
     HEADER_BYTES,
     RECORD_ALIGN,
     Compressor,
+    ErrorFeedback,
+    _as_numpy,
+    _lut,
     _ResidualsByKey,
+    _WithErrorFeedback,
     header_bytes,
 )
 
@@ -52,7 +60,7 @@ def _params(mins: torch.Tensor, maxs: torch.Tensor):
     return scale, upper, upper - LEVELS
 
 
-class MinMaxUInt4(_ResidualsByKey, Compressor):
+class MinMaxUInt4(_WithErrorFeedback, _ResidualsByKey, Compressor):
     """4-bit min-max quantisation in ``chunks`` chunks: about 1/8 of float32's bytes.
 
     Args:
@@ -68,7 +76,7 @@ class MinMaxUInt4(_ResidualsByKey, Compressor):
             raise ValueError(f"chunks must be a positive int, got {chunks!r}")
         self.chunks = chunks
         self.error_feedback = bool(error_feedback)
-        self._residuals: dict[str, torch.Tensor] = {}
+        self._ef = ErrorFeedback(MinMaxUInt4(chunks)) if error_feedback else None
 
     def __repr__(self) -> str:
         return f"MinMaxUInt4(chunks={self.chunks}, error_feedback={self.error_feedback})"
@@ -104,21 +112,9 @@ class MinMaxUInt4(_ResidualsByKey, Compressor):
                              f"{flat.device}")
         if out is None:
             out = torch.empty(size, dtype=torch.uint8, device=flat.device)
-        if not self.error_feedback:
-            return _encode(flat, chunks, out.view(-1))
-        res = self._residuals.get(key)
-        if res is not None and (res.shape != flat.shape or res.device != flat.device):
-            raise ValueError(f"error-feedback residual for key {key!r} has {res.numel()} "
-                             f"elements on {res.device}; this tensor has {flat.numel()} on "
-                             f"{flat.device}: use one key per tensor (or reset_residuals())")
-        corrected = flat.float() if res is None else flat.float() + res
-        payload = _encode(corrected.to(tensor.dtype), chunks, out.view(-1))
-        decoded = torch.empty_like(corrected)
-        _decode(payload, decoded, chunks, tensor.dtype)
-        res = corrected - decoded
-        res.view(chunks, -1)[~torch.isfinite(decoded.view(chunks, -1)).all(1)] = 0
-        self._residuals[key] = res
-        return payload
+        if self._ef is not None:
+            return self._ef.compress(tensor, chunks=chunks, key=key, out=out)
+        return _encode(flat, chunks, out.view(-1))
 
     def decompress(self, payload: torch.Tensor, out: torch.Tensor, *,
                    chunks: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -163,6 +159,20 @@ def _check_numel(numel, chunks, name):
 
 
 def _encode(flat: torch.Tensor, chunks: int, payload: torch.Tensor) -> torch.Tensor:
+    if flat.is_cuda:
+        return _encode_torch(flat, chunks, payload)
+    return _encode_cpu(flat, chunks, payload)
+
+
+def _decode(payload: torch.Tensor, out: torch.Tensor, chunks: int, dtype: torch.dtype) -> None:
+    if out.is_cuda:
+        _decode_torch(payload, out, chunks, dtype)
+    else:
+        _decode_cpu(payload, out, chunks, dtype)
+
+
+def _encode_torch(flat: torch.Tensor, chunks: int, payload: torch.Tensor) -> torch.Tensor:
+    """The format in torch operations (the CUDA path; any device)."""
     m = flat.numel() // chunks
     rec = record_bytes4(m)
     rows = flat.float().view(chunks, m)
@@ -185,7 +195,28 @@ def _encode(flat: torch.Tensor, chunks: int, payload: torch.Tensor) -> torch.Ten
     return payload
 
 
-def _decode(payload: torch.Tensor, out: torch.Tensor, chunks: int, dtype: torch.dtype) -> None:
+def _encode_cpu(flat: torch.Tensor, chunks: int, payload: torch.Tensor) -> torch.Tensor:
+    """The Cython kernels of ``_minmax`` (one min/max pass, one encoding pass, no GIL)."""
+    from . import _minmax
+
+    m = flat.numel() // chunks
+    rec = record_bytes4(m)
+    rows = payload.view(chunks, rec)
+    mins = np.empty(chunks, dtype=np.float32)
+    maxs = np.empty(chunks, dtype=np.float32)
+    src = _as_numpy(flat)
+    kind, lut = _KINDS[flat.dtype], _lut(flat.dtype)
+    _minmax.minmax(src, kind, lut, chunks, mins, maxs)
+    _minmax.encode4(src, kind, lut, chunks, mins, maxs, payload.numpy(), rec, HEADER_BYTES)
+    isz = flat.element_size()
+    rows[:, :2 * isz] = header_bytes(torch.from_numpy(mins), torch.from_numpy(maxs), flat.dtype)
+    rows[:, 2 * isz:HEADER_BYTES] = 0
+    rows[:, HEADER_BYTES + m // 2:] = 0
+    return payload
+
+
+def _decode_torch(payload: torch.Tensor, out: torch.Tensor, chunks: int,
+                  dtype: torch.dtype) -> None:
     m = out.numel() // chunks
     rec = record_bytes4(m)
     rows = payload.view(chunks, rec)
@@ -197,3 +228,15 @@ def _decode(payload: torch.Tensor, out: torch.Tensor, chunks: int, dtype: torch.
     q[:, 0::2] = (codes & 15).float()
     q[:, 1::2] = (codes >> 4).float()
     q.add_(lower[:, None]).div_(scale[:, None])
+
+
+def _decode_cpu(payload: torch.Tensor, out: torch.Tensor, chunks: int,
+                dtype: torch.dtype) -> None:
+    from . import _minmax
+
+    rec = record_bytes4(out.numel() // chunks)
+    isz = torch.empty(0, dtype=dtype).element_size()
+    header = payload.view(chunks, rec)[:, :2 * isz].contiguous().view(dtype).float()
+    _minmax.decode4(payload.numpy(), rec, HEADER_BYTES, chunks,
+                    header[:, 0].contiguous().numpy(), header[:, 1].contiguous().numpy(),
+                    out.numpy())

@@ -28,9 +28,9 @@ compressed_allreduce` that NaN reaches every rank, so ``torch.isfinite`` checks 
 ``GradScaler`` see the overflow; the chunk's other elements are lost for that call.  Input
 without NaN/inf is encoded exactly as the formula says.
 
-Error feedback (``error_feedback=True``) keeps, per ``key``, the residual ``x - x'`` of the
-last compression and adds it to the next input before compressing it (EF-SGD), so that the
-quantisation error is not lost but delayed (a non-finite chunk's residual is reset to 0, so
+Error feedback (``error_feedback=True``, or :class:`ErrorFeedback` around any compressor)
+keeps, per ``key``, the residual ``x - x'`` of the last compression and adds it to the next
+input before compressing it (EF-SGD), so that the quantisation error is not lost but delayed (a non-finite chunk's residual is reset to 0, so
 one overflowing step does not poison the next ones).  The residuals are the compressor's state:
 :meth:`~Compressor.state_dict` / :meth:`~Compressor.load_state_dict` checkpoint them.
 """
@@ -160,7 +160,116 @@ class _ResidualsByKey:
         self._residuals = {str(k): v.detach().float().clone() for k, v in residuals.items()}
 
 
-class MinMaxUInt8(_ResidualsByKey, Compressor):
+class ErrorFeedback(_ResidualsByKey, Compressor):
+    """Error feedback (EF-SGD) around any :class:`Compressor` without its own.
+
+    Per ``key``, the residual of the last compression is added to the input, that corrected
+    input is compressed with ``compressor``, and ``corrected - decoded`` becomes the new
+    residual, so the compression error is delayed rather than lost.  A chunk whose decoding
+    is not finite (a NaN or an infinity in the input) gets a zero residual, so one
+    overflowing step does not poison the next ones.  Sizes, alignment and decompression are
+    the wrapped compressor's; the residuals are ``state_dict()["residuals"]`` (float32 by key,
+    as bagua-algos carries them).  ``MinMaxUInt8(c, error_feedback=True)`` and
+    ``MinMaxUInt4(c, error_feedback=True)`` are this wrapper around their plain form.
+
+    Each key holds two float32 buffers of the input's size, reused call after call: the
+    residual (updated in place) and the corrected input.
+    """
+
+    error_feedback = True
+
+    def __init__(self, compressor: Compressor):
+        if not isinstance(compressor, Compressor):
+            raise ValueError(f"compressor must be a bagua_comm.compression.Compressor, got "
+                             f"{type(compressor).__name__}")
+        if getattr(compressor, "error_feedback", False):
+            raise ValueError("compressor already keeps its own error feedback: wrap its "
+                             "error_feedback=False form")
+        self.compressor = compressor
+        self._residuals: dict[str, torch.Tensor] = {}
+        self._corrected: dict[str, torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"ErrorFeedback({self.compressor!r})"
+
+    @property
+    def chunks(self) -> int:
+        return self.compressor.chunks
+
+    def alignment(self, chunks: int) -> int:
+        return self.compressor.alignment(chunks)
+
+    def payload_numel(self, numel: int, **kwargs) -> int:
+        return self.compressor.payload_numel(numel, **kwargs)
+
+    def decompress(self, payload: torch.Tensor, out: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.compressor.decompress(payload, out, **kwargs)
+
+    def compress(self, tensor: torch.Tensor, *, chunks: int | None = None,
+                 key: str = "default", out: torch.Tensor | None = None) -> torch.Tensor:
+        """The wrapped compressor's payload of ``tensor`` plus the residual under ``key``;
+        the new residual is stored in its place."""
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        chunks = self.compressor.chunks if chunks is None else chunks
+        flat = tensor.detach().reshape(-1)
+        res = self._residuals.get(key)
+        if res is not None and (res.shape != flat.shape or res.device != flat.device):
+            raise ValueError(f"error-feedback residual for key {key!r} has "
+                             f"{res.numel()} elements on {res.device}; this tensor has "
+                             f"{flat.numel()} on {flat.device}: use one key "
+                             "per tensor (or reset_residuals())")
+        # corrected = float32(tensor) + residual, in this key's reused buffer (never in the
+        # caller's tensor); the decoding then lands in the residual's buffer, which becomes
+        # corrected - decoded in place: no full-size allocation after a key's first call.
+        corrected = self._corrected.get(key)
+        if corrected is None or corrected.shape != flat.shape or corrected.device != flat.device:
+            corrected = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
+            self._corrected[key] = corrected
+        if res is None:
+            corrected.copy_(flat)
+            res = torch.empty_like(corrected)
+        else:
+            torch.add(flat, res, out=corrected)
+        payload = self.compressor.compress(corrected.to(tensor.dtype), chunks=chunks, out=out)
+        self.compressor.decompress(payload, res, chunks=chunks, dtype=tensor.dtype)
+        torch.sub(corrected, res, out=res)                       # the residual
+        # a non-finite chunk's residual restarts at 0 (a masked fill: no host synchronisation
+        # on CUDA, unlike testing the mask first)
+        rows = res.view(chunks, -1)
+        rows.masked_fill_(~torch.isfinite(rows).all(1, keepdim=True), 0)
+        self._residuals[key] = res
+        return payload
+
+    def reset_residuals(self) -> None:
+        super().reset_residuals()
+        self._corrected.clear()
+
+
+class _WithErrorFeedback:
+    """``error_feedback=True`` of a built-in compressor: an :class:`ErrorFeedback` around its
+    plain form does the compression and holds the residuals (``self._ef``)."""
+
+    _ef: ErrorFeedback | None
+
+    @property
+    def _residuals(self) -> dict:
+        return self._ef._residuals if self._ef is not None else {}
+
+    @_residuals.setter
+    def _residuals(self, value: dict) -> None:
+        if self._ef is not None:
+            self._ef._residuals = value
+            self._ef._corrected.clear()
+        elif value:
+            raise ValueError("no error feedback to hold residuals")
+
+    def reset_residuals(self) -> None:
+        if self._ef is not None:
+            self._ef.reset_residuals()
+
+
+class MinMaxUInt8(_WithErrorFeedback, _ResidualsByKey, Compressor):
     """8-bit min-max quantisation in ``chunks`` chunks (Bagua's ByteGrad format).
 
     Args:
@@ -177,8 +286,7 @@ class MinMaxUInt8(_ResidualsByKey, Compressor):
             raise ValueError(f"chunks must be a positive int, got {chunks!r}")
         self.chunks = chunks
         self.error_feedback = bool(error_feedback)
-        self._residuals: dict[str, torch.Tensor] = {}
-        self._corrected: dict[str, torch.Tensor] = {}    # error feedback's scratch, per key
+        self._ef = ErrorFeedback(MinMaxUInt8(chunks)) if error_feedback else None
 
     def __repr__(self) -> str:
         return f"MinMaxUInt8(chunks={self.chunks}, error_feedback={self.error_feedback})"
@@ -214,35 +322,9 @@ class MinMaxUInt8(_ResidualsByKey, Compressor):
                     or out.device != flat.device):
                 raise ValueError(f"out must be a contiguous uint8 tensor of {expected} bytes "
                                  f"on {flat.device}")
-        if not self.error_feedback:
-            return _compress(flat, chunks, out)
-        res = self._residuals.get(key)
-        if res is not None and (res.shape != flat.shape or res.device != flat.device):
-            raise ValueError(f"error-feedback residual for key {key!r} has "
-                             f"{res.numel()} elements on {res.device}; this tensor has "
-                             f"{flat.numel()} on {flat.device}: use one key "
-                             "per tensor (or reset_residuals())")
-        # corrected = float32(tensor) + residual, in this key's reused buffer (never in the
-        # caller's tensor); the decoding then lands in the residual's buffer, which becomes
-        # corrected - decoded in place: no full-size allocation after a key's first call.
-        corrected = self._corrected.get(key)
-        if corrected is None or corrected.shape != flat.shape or corrected.device != flat.device:
-            corrected = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
-            self._corrected[key] = corrected
-        if res is None:
-            corrected.copy_(flat)
-            res = torch.empty_like(corrected)
-        else:
-            torch.add(flat, res, out=corrected)
-        payload = _compress(corrected.to(tensor.dtype), chunks, out)
-        _decompress(payload, res, chunks, tensor.dtype)          # res holds the decoding
-        torch.sub(corrected, res, out=res)                       # ... and now the residual
-        # a NaN/inf chunk must not poison later steps through its residual (a masked fill:
-        # no host synchronisation on CUDA, unlike testing the mask first)
-        bad = nonfinite_chunks(payload, chunks, tensor.dtype)
-        res.view(chunks, -1).masked_fill_(bad.unsqueeze(1), 0)
-        self._residuals[key] = res
-        return payload
+        if self._ef is not None:
+            return self._ef.compress(tensor, chunks=chunks, key=key, out=out)
+        return _compress(flat, chunks, out)
 
     def decompress(self, payload: torch.Tensor, out: torch.Tensor, *,
                    chunks: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -270,11 +352,7 @@ class MinMaxUInt8(_ResidualsByKey, Compressor):
         _decompress(payload.reshape(-1), out.detach().view(-1), chunks, dtype)
         return out
 
-    # -- error-feedback state (residual, state_dict, load_state_dict: _ResidualsByKey) -------
-    def reset_residuals(self) -> None:
-        super().reset_residuals()
-        self._corrected.clear()
-
+    # -- error-feedback state: _ResidualsByKey's, held by self._ef (_WithErrorFeedback) -----
     def _chunks(self, chunks):
         if chunks is None:
             return self.chunks
@@ -299,14 +377,6 @@ def header_bytes(mins: torch.Tensor, maxs: torch.Tensor, dtype: torch.dtype) -> 
     bits = pair.to(dtype).view(bits_dtype)
     # a Python scalar fill: no tensor made from host values (a blocking copy on CUDA)
     return bits.masked_fill(pair.isnan(), canonical).view(torch.uint8)
-
-
-def nonfinite_chunks(payload: torch.Tensor, chunks: int, dtype: torch.dtype) -> torch.Tensor:
-    """A bool tensor, True for each record of ``payload`` that encodes a chunk holding NaN
-    or an infinity (its header is NaN)."""
-    rows = payload.view(chunks, -1)
-    isz = torch.empty(0, dtype=dtype).element_size()
-    return rows[:, :isz].contiguous().view(dtype).view(-1).isnan()
 
 
 def _check_float(name, t):
@@ -399,5 +469,5 @@ def _decompress(payload, out, chunks, dtype):
 # The 4-bit format lives in its own module (it reuses this one's header writer).
 from ._minmax4 import MinMaxUInt4, record_bytes4  # noqa: E402
 
-__all__ = ["Compressor", "Context", "MinMaxUInt4", "MinMaxUInt8", "record_bytes",
-           "record_bytes4"]
+__all__ = ["Compressor", "Context", "ErrorFeedback", "MinMaxUInt4", "MinMaxUInt8",
+           "record_bytes", "record_bytes4"]

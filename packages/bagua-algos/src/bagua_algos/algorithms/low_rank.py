@@ -26,7 +26,10 @@ class LowRank(Algorithm, name="low_rank"):
     (``r = min(rank, n, m)``); vectors, biases and matrices where rank ``r`` saves too little
     travel uncompressed in the first allreduce.  ``warm_start=True`` reuses last step's ``Q``
     (one power iteration per step, accumulating over steps); ``False`` draws a fresh one
-    from ``seed`` each step.
+    from ``seed`` each step.  ``start_step`` (torch's ``start_powerSGD_iter``): the first
+    ``start_step`` steps send the plain average, uncompressed; early steps are the most
+    sensitive to a rank-``r`` gradient (with Adam, 2 such steps decide most of the loss gap
+    to torch's hook, which defaults to 1000 of them).
 
     Every rank computes ``M̂`` from the same allreduced ``P`` and ``Q``, so ranks stay
     bit-identical.  Both allreduces of a bucket run one after the other on a background
@@ -36,7 +39,8 @@ class LowRank(Algorithm, name="low_rank"):
     """
 
     def __init__(self, rank: int = 2, warm_start: bool = True,
-                 min_compression_rate: float = 2.0, average: bool = True, seed: int = 0):
+                 min_compression_rate: float = 2.0, average: bool = True, seed: int = 0,
+                 start_step: int = 0):
         check_int_at_least("rank", rank, 1)
         check_bool("warm_start", warm_start)
         check_bool("average", average)
@@ -47,11 +51,13 @@ class LowRank(Algorithm, name="low_rank"):
                              f"matrix only where it shrinks at least this much), got "
                              f"{min_compression_rate!r}")
         check_int_at_least("seed", seed, 0)
+        check_int_at_least("start_step", start_step, 0)
         self.rank = rank
         self.warm_start = warm_start
         self.min_compression_rate = float(min_compression_rate)
         self.average = average
         self.seed = seed
+        self.start_step = start_step
 
     def reify(self, group):
         return LowRankImpl(group, self)
@@ -125,6 +131,9 @@ class LowRankImpl(AlgorithmImpl):
         if self.group.size == 1:
             return None
         tensor, plan = bucket.grad, self.plans[bucket.index]
+        if self.rounds < self.algo.start_step:      # warm-up: the exact average
+            return self.reducer.exchange(
+                lambda: bc.allreduce_inplace(tensor, self.op, group=self.group))
         return self.reducer.exchange(lambda: self.exchange(tensor, plan))
 
     def _factor(self, s: _Slot, device) -> torch.Tensor:
