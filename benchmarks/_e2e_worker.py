@@ -45,8 +45,19 @@ class Unavailable(Exception):
     """The algorithm cannot be built here (not installed / not registered yet)."""
 
 
-def _build(name: str, model, args):
+def _build(name: str, model, args, harness):
     """``(wrapped_model, optimizer)`` for row ``name`` (raises :class:`Unavailable`)."""
+    if name == "ft_diloco":           # torchft's DiLoCo, the peer of our diloco row
+        from _e2e_ft import FtDiLoCoRow
+        from _e2e_ft import Unavailable as FtUnavailable
+
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+        try:
+            row = FtDiLoCoRow(model, opt, args.chosen_sync_every, harness)
+        except FtUnavailable as err:
+            raise Unavailable(str(err)) from err
+        args.row_close = row.close
+        return model, opt
     if name in TORCH_ROWS:
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         return build_torch(name, model, powersgd_rank=args.powersgd_rank,
@@ -171,8 +182,13 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
     model = make_model(args.size, seed=args.seed)
     compute_s = _compute_time(copy.deepcopy(model), train)
     if name in SYNC_ROWS:
-        args.chosen_sync_every = _choose_sync_every(args, compute_s, budget_s, harness)
-    wrapped, opt = _build(name, model, args)
+        if name == "ft_diloco" and "diloco" in args.sync_every_of:
+            args.chosen_sync_every = args.sync_every_of["diloco"]   # the peer: the same H
+        else:
+            args.chosen_sync_every = _choose_sync_every(args, compute_s, budget_s, harness)
+        args.sync_every_of[name] = args.chosen_sync_every
+    args.row_close = None
+    wrapped, opt = _build(name, model, args, harness)
 
     def step(x, y) -> float:
         opt.zero_grad(set_to_none=True)
@@ -251,6 +267,8 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
     rec["eval_loss"] = next(loss for step, _, loss in evals if step == args.steps)
     rec.update(times=times, losses=losses, evals=evals, compute_s=compute_s)
     dist.barrier(group=harness)
+    if args.row_close is not None:     # after the barrier: rank 0's lighthouse goes last
+        args.row_close()
     return rec
 
 
@@ -321,7 +339,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ifname", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    args.ddp_step_s, args.chosen_sync_every = 0.0, None
+    args.ddp_step_s, args.chosen_sync_every, args.sync_every_of = 0.0, None, {}
     torch.set_num_threads(1)
     try:
         import bagua_comm as bc
