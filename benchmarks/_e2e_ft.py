@@ -32,6 +32,28 @@ def _local_ip(peer: str) -> str:
         return s.getsockname()[0]
 
 
+class _Socket:
+    """``socket`` with ``gethostname()`` answering this host's address."""
+
+    def __init__(self, ip: str):
+        self.ip = ip
+
+    def __getattr__(self, name):
+        return getattr(socket, name)
+
+    def gethostname(self) -> str:
+        return self.ip
+
+
+def _advertise(ip: str) -> None:
+    """torchft's ProcessGroupGloo advertises its rendezvous store as ``socket.gethostname()``;
+    inside the testbed's network namespaces that name does not resolve (the peers retry
+    "(vm, port) cannot be retrieved" until the timeout), so it advertises ``ip`` instead."""
+    import torchft.process_group as tpg
+
+    tpg.socket = _Socket(ip)
+
+
 class FtDiLoCoRow:
     """torchft's DiLoCo around ``model`` and ``inner``; :meth:`close` when the row ends."""
 
@@ -50,6 +72,7 @@ class FtDiLoCoRow:
         rank, world = dist.get_rank(), dist.get_world_size()
         master = os.environ.get("MASTER_ADDR", "127.0.0.1")
         ip = _local_ip(master)
+        _advertise(ip)
         self.lighthouse = None
         if rank == 0:
             self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=world,
