@@ -173,6 +173,13 @@ def _progress(args, name: str, step: int, total: int) -> None:
         tmp.replace(Path(args.out) / "progress")
 
 
+def _write_json(path: Path, obj) -> None:
+    """Whole or not at all: e2e.py reads a row's file as soon as it exists."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(path)
+
+
 def _async_rounds(wrapped) -> int:
     return int(getattr(getattr(wrapped, "impl", None), "rounds", 0))
 
@@ -365,8 +372,8 @@ def main(argv=None) -> int:
             rec = run_one(name, args, train, evalset, harness, counter, budget_s)
         except Unavailable as err:
             if rank == 0:
-                (out / f"{name}.json").write_text(json.dumps(
-                    {"algorithm": name, "status": "unavailable", "reason": str(err)}))
+                _write_json(out / f"{name}.json",
+                            {"algorithm": name, "status": "unavailable", "reason": str(err)})
             continue
         except Exception:
             traceback.print_exc()
@@ -378,7 +385,7 @@ def main(argv=None) -> int:
             args.ddp_step_s = max(r["steps_s"] for r in recs) / recs[0]["window_steps"]
         if rank == 0:
             result = _combine(name, recs, args, params, world)
-            (out / f"{name}.json").write_text(json.dumps(result))
+            _write_json(out / f"{name}.json", result)
     dist.barrier(group=harness)
     dist.destroy_process_group()
     return 0
