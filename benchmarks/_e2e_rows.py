@@ -26,9 +26,11 @@ HIERARCHICAL = ("gradient_allreduce", "bytegrad", "decentralized", "low_precisio
 DEFAULT_ROWS = ["ddp", "ddp_fp16", "ddp_powersgd", "ddp_bytegrad_hook", "gradient_allreduce",
                 "bytegrad",
                 "bytegrad_flat", "decentralized", "decentralized_shift_one",
-                "low_precision_decentralized", "async", "qadam", "local_sgd", "diloco", "topk",
-                "low_rank"]
-SYNC_ROWS = ("local_sgd", "diloco")     # communicate every sync_every steps (sync_every_for)
+                "low_precision_decentralized", "async", "qadam", "local_sgd", "diloco", "ft_diloco",
+                "topk", "low_rank"]
+# Communicate every sync_every steps (sync_every_for); ft_diloco (torchft's DiLoCo, the peer:
+# benchmarks/_e2e_ft.py) runs with the sync_every the diloco row chose.
+SYNC_ROWS = ("local_sgd", "diloco", "ft_diloco")
 _VARIANTS = {  # row name: (registry name, fixed keyword arguments)
     "bytegrad_flat": ("bytegrad", {"hierarchical": False}),
     "decentralized": ("decentralized", {"peer_selection_mode": "all"}),
@@ -99,6 +101,8 @@ def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2, warmup: 
         return "8-bit hook, flat"
     if row == "async":
         return f"every {async_interval_ms:g}ms"
+    if row == "ft_diloco":
+        return f"torchft, H={sync_every}" if sync_every else "torchft"
     if row in SYNC_ROWS and sync_every:
         return f"H={sync_every}"
     if row.startswith("topk"):

@@ -47,8 +47,19 @@ class Unavailable(Exception):
     """The algorithm cannot be built here (not installed / not registered yet)."""
 
 
-def _build(name: str, model, args):
+def _build(name: str, model, args, harness):
     """``(wrapped_model, optimizer)`` for row ``name`` (raises :class:`Unavailable`)."""
+    if name == "ft_diloco":           # torchft's DiLoCo, the peer of our diloco row
+        from _e2e_ft import FtDiLoCoRow
+        from _e2e_ft import Unavailable as FtUnavailable
+
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+        try:
+            row = FtDiLoCoRow(model, opt, args.chosen_sync_every, harness)
+        except FtUnavailable as err:
+            raise Unavailable(str(err)) from err
+        args.row_close = row.close
+        return model, opt
     if name in HOOK_ROWS:
         try:
             import bagua_algos.ddp_hooks
@@ -169,6 +180,13 @@ def _progress(args, name: str, step: int, total: int) -> None:
         tmp.replace(Path(args.out) / "progress")
 
 
+def _write_json(path: Path, obj) -> None:
+    """Whole or not at all: e2e.py reads a row's file as soon as it exists."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(path)
+
+
 def _async_rounds(wrapped) -> int:
     return int(getattr(getattr(wrapped, "impl", None), "rounds", 0))
 
@@ -178,8 +196,13 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
     model = make_model(args.size, seed=args.seed)
     compute_s = _compute_time(copy.deepcopy(model), train)
     if name in SYNC_ROWS:
-        args.chosen_sync_every = _choose_sync_every(args, compute_s, budget_s, harness)
-    wrapped, opt = _build(name, model, args)
+        if name == "ft_diloco" and "diloco" in args.sync_every_of:
+            args.chosen_sync_every = args.sync_every_of["diloco"]   # the peer: the same H
+        else:
+            args.chosen_sync_every = _choose_sync_every(args, compute_s, budget_s, harness)
+        args.sync_every_of[name] = args.chosen_sync_every
+    args.row_close = None
+    wrapped, opt = _build(name, model, args, harness)
 
     def step(x, y) -> float:
         opt.zero_grad(set_to_none=True)
@@ -258,6 +281,8 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
     rec["eval_loss"] = next(loss for step, _, loss in evals if step == args.steps)
     rec.update(times=times, losses=losses, evals=evals, compute_s=compute_s)
     dist.barrier(group=harness)
+    if args.row_close is not None:     # after the barrier: rank 0's lighthouse goes last
+        args.row_close()
     return rec
 
 
@@ -329,7 +354,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ifname", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    args.ddp_step_s, args.chosen_sync_every = 0.0, None
+    args.ddp_step_s, args.chosen_sync_every, args.sync_every_of = 0.0, None, {}
     torch.set_num_threads(1)
     try:
         import bagua_comm as bc
@@ -355,8 +380,8 @@ def main(argv=None) -> int:
             rec = run_one(name, args, train, evalset, harness, counter, budget_s)
         except Unavailable as err:
             if rank == 0:
-                (out / f"{name}.json").write_text(json.dumps(
-                    {"algorithm": name, "status": "unavailable", "reason": str(err)}))
+                _write_json(out / f"{name}.json",
+                            {"algorithm": name, "status": "unavailable", "reason": str(err)})
             continue
         except Exception:
             traceback.print_exc()
@@ -368,7 +393,7 @@ def main(argv=None) -> int:
             args.ddp_step_s = max(r["steps_s"] for r in recs) / recs[0]["window_steps"]
         if rank == 0:
             result = _combine(name, recs, args, params, world)
-            (out / f"{name}.json").write_text(json.dumps(result))
+            _write_json(out / f"{name}.json", result)
     dist.barrier(group=harness)
     dist.destroy_process_group()
     return 0

@@ -14,7 +14,8 @@ reports the wall time each needs to reach the held-out loss DDP reaches after N 
 headline), samples/s, time per step split into compute and exposed communication, bytes sent
 per rank per step (measured on the host's interface), the loss after N steps and after T
 seconds.  An algorithm bagua_algos does not provide is reported as unavailable, never
-skipped.  ``--latency-ms``/``--latencies`` add a one-way delay between every two hosts (the
+skipped; so is ``ft_diloco`` (torchft's DiLoCo, the peer of ``diloco``: ``_e2e_ft``) where
+torchft does not import.  ``--latency-ms``/``--latencies`` add a one-way delay between every two hosts (the
 testbed's delay line); every run records its ``latency_ms``.  Where network namespaces cannot be made, the job runs as plain processes over
 loopback (unshaped only) and says so.
 """

@@ -150,11 +150,14 @@ def _check_every_field(report: dict, hosts: int, procs: int) -> dict:
     assert report["verdict"] and report["verdict"][0].startswith("runs: ")
     runs = {r["algorithm"]: r for r in report["runs"]}
     for name, r in runs.items():
+        if name == "ft_diloco" and r["status"] == "unavailable":   # torchft not installed
+            assert "torchft" in r["reason"], r
+            continue
         assert r["status"] == "ok", (name, r.get("reason"))
         assert set(FIELDS) <= set(r), (name, set(FIELDS) - set(r))
         assert r["world_size"] == hosts * procs and r["procs_per_host"] == procs
         # Every figure measures the algorithm doing its job: it communicated in its window.
-        if name in ("local_sgd", "diloco"):   # talk every sync_every steps: maybe not in 4
+        if name in ("local_sgd", "diloco", "ft_diloco"):   # talk every sync_every steps
             continue
         assert r["bytes_per_step"] > 0 and r["bytes_per_step_accounted"] > 0, name
         assert r["eval_curve"] and r["ddp_loss_target"] == runs["ddp"]["loss"]
