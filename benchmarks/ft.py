@@ -79,19 +79,26 @@ def _same(a, b) -> bool:
                for k, x in fa.items())
 
 
+def _spawn(worker: Path, lighthouse: str, out: Path, tag: str, host: int, step_sleep: float,
+           extra: list[str]) -> subprocess.Popen:
+    """One host's replica process, logging to ``out/<tag>.log``, started and stopped through
+    ``out``'s ready/go/stop files."""
+    (out / tag).mkdir(exist_ok=True)
+    cmd = [sys.executable, str(worker), "--lighthouse", lighthouse, "--replica-id", f"host{host}",
+           "--tag", tag, "--sync-dir", str(out), "--log", str(out / f"{tag}.log"),
+           "--step-sleep", str(step_sleep), "--batch", "8", *extra]
+    return subprocess.Popen(cmd, env=_env(), stdout=open(out / f"{tag}.out", "w"),
+                            stderr=subprocess.STDOUT)
+
+
 def scenario(system: str, lighthouse: str, out: Path, args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     worker = OURS if system == "bagua" else PEER
     extra = (["--algo", "bytegrad", "--samples", "4096"] if system == "bagua" else [])
 
     def spawn(tag, host):
-        (out / tag).mkdir(exist_ok=True)
-        cmd = [sys.executable, str(worker), "--lighthouse", lighthouse, "--replica-id",
-               f"host{host}", "--tag", tag, "--sync-dir", str(out), "--log", str(out / f"{tag}.log"),
-               "--dump", str(out / tag), "--steps", "100000", "--step-sleep", str(args.step_sleep),
-               "--batch", "8", *extra]
-        return subprocess.Popen(cmd, env=_env(), stdout=open(out / f"{tag}.out", "w"),
-                                stderr=subprocess.STDOUT)
+        return _spawn(worker, lighthouse, out, tag, host, args.step_sleep,
+                      ["--dump", str(out / tag), "--steps", "100000", *extra])
 
     procs = {f"h{i}": spawn(f"h{i}", i) for i in range(HOSTS)}
     try:
@@ -155,13 +162,8 @@ def soak(lighthouse: str, out: Path, args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
 
     def spawn(tag, host):
-        (out / tag).mkdir(exist_ok=True)
-        cmd = [sys.executable, str(OURS), "--lighthouse", lighthouse, "--replica-id",
-               f"host{host}", "--tag", tag, "--sync-dir", str(out), "--log", str(out / f"{tag}.log"),
-               "--steps", "1000000", "--step-sleep", str(args.step_sleep), "--batch", "8",
-               "--algo", "bytegrad", "--samples", "1000000"]
-        return subprocess.Popen(cmd, env=_env(), stdout=open(out / f"{tag}.out", "w"),
-                                stderr=subprocess.STDOUT)
+        return _spawn(OURS, lighthouse, out, tag, host, args.step_sleep,
+                      ["--steps", "1000000", "--algo", "bytegrad", "--samples", "1000000"])
 
     procs = [spawn(f"h{i}", i) for i in range(HOSTS)]
     loads = []
