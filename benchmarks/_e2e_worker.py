@@ -149,13 +149,17 @@ def _snapshot(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _evaluate_snapshots(size: str, seed: int, snapshots, evalset) -> list:
-    """[step, training seconds, held-out loss] for each snapshot, in order."""
+def _evaluate_snapshots(size: str, seed: int, snapshots, evalset, report=None) -> list:
+    """[step, training seconds, held-out loss] for each snapshot, in order; ``report(k, n)``
+    after each one (the parent's stall detector sees the evaluation progress: a row that
+    trained hundreds of steps evaluates for minutes on a loaded machine)."""
     probe = make_model(size, seed=seed)
     evals = []
-    for step, elapsed, state in snapshots:
+    for k, (step, elapsed, state) in enumerate(snapshots):
         probe.load_state_dict(state)
         evals.append([step, elapsed, _evaluate(probe, evalset)])
+        if report is not None:
+            report(k + 1, len(snapshots))
     return evals
 
 
@@ -173,10 +177,11 @@ def _accounted_bytes() -> int:
     return traffic.bytes_sent()
 
 
-def _progress(args, name: str, step: int, total: int) -> None:
+def _progress(args, name: str, step: int, total: int, phase: str = "train") -> None:
     if dist.get_rank() == 0:
         tmp = Path(args.out) / "progress.tmp"
-        tmp.write_text(json.dumps({"algorithm": name, "step": step, "of": total}))
+        tmp.write_text(json.dumps({"algorithm": name, "step": step, "of": total,
+                                   "phase": phase}))
         tmp.replace(Path(args.out) / "progress")
 
 
@@ -277,7 +282,8 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
             break
     if name == "async" and hasattr(wrapped, "abort"):
         wrapped.abort()
-    evals = _evaluate_snapshots(args.size, args.seed, snapshots, evalset)
+    evals = _evaluate_snapshots(args.size, args.seed, snapshots, evalset,
+                                lambda k, n: _progress(args, name, k, n, phase="eval"))
     rec["eval_loss"] = next(loss for step, _, loss in evals if step == args.steps)
     rec.update(times=times, losses=losses, evals=evals, compute_s=compute_s)
     dist.barrier(group=harness)

@@ -256,7 +256,8 @@ def run_bandwidth(bw, args, launcher: Launcher, progress, console,
                     info = json.loads(seen)
                     task = tasks[info["algorithm"]]
                     progress.start_task(task)
-                    progress.update(task, completed=info["step"])
+                    if info.get("phase", "train") == "train":   # evaluation: alive only
+                        progress.update(task, completed=info["step"])
                 except (ValueError, KeyError):
                     pass
             for a in remaining:
