@@ -31,6 +31,38 @@ DEFAULT_ROWS = ["ddp", "ddp_fp16", "ddp_powersgd", "ddp_bytegrad_hook", "gradien
 # Communicate every sync_every steps (sync_every_for); ft_diloco (torchft's DiLoCo, the peer:
 # benchmarks/_e2e_ft.py) runs with the sync_every the diloco row chose.
 SYNC_ROWS = ("local_sgd", "diloco", "ft_diloco")
+# The full run's sweep of DiLoCo's H around the rule's choice (rows "diloco@x0.5" ...; a row
+# "diloco@64" fixes H=64): DESIGN's H is a knob the user picks, so the main job shows how time
+# to DDP's loss and bytes move with it instead of one point.
+SYNC_SWEEP = ("x0.5", "x2", "x4")
+
+
+def split_row(row: str) -> tuple[str, str | None]:
+    """``"diloco@x2"`` -> ``("diloco", "x2")``; ``"diloco@64"`` -> ``("diloco", "64")``; a
+    row without ``@`` -> ``(row, None)``.  Only the sync rows take an ``@H``."""
+    base, sep, h = row.partition("@")
+    if not sep:
+        return row, None
+    if base not in SYNC_ROWS or not h:
+        raise ValueError(f"row {row!r}: only {', '.join(SYNC_ROWS)} take '@H' or '@xK' (H: "
+                         f"sync_every; xK: K times the rule's choice)")
+    try:
+        value = float(h[1:]) if h.startswith("x") else int(h)
+    except ValueError:
+        raise ValueError(f"row {row!r}: '@{h}' is neither an integer H nor 'xK'") from None
+    if value <= 0:
+        raise ValueError(f"row {row!r}: H (or the factor) must be > 0")
+    return base, h
+
+
+def sync_every_of_row(row: str, chosen: int) -> int:
+    """The H a sync row runs: its ``@H``, ``@xK`` x ``chosen`` (the rule's H), else ``chosen``."""
+    _base, h = split_row(row)
+    if h is None:
+        return chosen
+    if h.startswith("x"):
+        return max(2, round(float(h[1:]) * chosen))
+    return int(h)
 _VARIANTS = {  # row name: (registry name, fixed keyword arguments)
     "bytegrad_flat": ("bytegrad", {"hierarchical": False}),
     "decentralized": ("decentralized", {"peer_selection_mode": "all"}),
@@ -62,6 +94,7 @@ def default_rows(procs_per_host: int) -> list[str]:
 
 def bagua_spec(row: str, procs_per_host: int, *, warmup: int = 2) -> tuple[str, dict]:
     """``(registry name, kwargs)`` of a bagua row (``warmup``: the job's warm-up steps)."""
+    row = split_row(row)[0]
     name, kwargs = _VARIANTS.get(row, (row, {}))
     kwargs = dict(kwargs)
     if row == "low_rank":
@@ -103,7 +136,7 @@ def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2, warmup: 
         return f"every {async_interval_ms:g}ms"
     if row == "ft_diloco":
         return f"torchft, H={sync_every}" if sync_every else "torchft"
-    if row in SYNC_ROWS and sync_every:
+    if split_row(row)[0] in SYNC_ROWS and sync_every:
         return f"H={sync_every}"
     if row.startswith("topk"):
         density = _VARIANTS[row][1]["density"]

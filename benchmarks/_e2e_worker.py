@@ -39,7 +39,9 @@ from _e2e_rows import (
     bagua_spec,
     build_torch,
     powersgd_start,
+    split_row,
     sync_every_for,
+    sync_every_of_row,
 )
 
 
@@ -195,11 +197,13 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
             budget_s: float | None) -> dict:
     model = make_model(args.size, seed=args.seed)
     compute_s = _compute_time(copy.deepcopy(model), train)
-    if name in SYNC_ROWS:
+    if split_row(name)[0] in SYNC_ROWS:
         if name == "ft_diloco" and "diloco" in args.sync_every_of:
             args.chosen_sync_every = args.sync_every_of["diloco"]   # the peer: the same H
-        else:
-            args.chosen_sync_every = _choose_sync_every(args, compute_s, budget_s, harness)
+        else:   # the rule's H once per job (a sweep row scales it, or fixes its own)
+            if args.rule_sync_every is None:
+                args.rule_sync_every = _choose_sync_every(args, compute_s, budget_s, harness)
+            args.chosen_sync_every = sync_every_of_row(name, args.rule_sync_every)
         args.sync_every_of[name] = args.chosen_sync_every
     args.row_close = None
     wrapped, opt = _build(name, model, args, harness)
@@ -314,7 +318,7 @@ def _combine(name: str, recs: list[dict], args, params: int, world: int) -> dict
         "sync_interval_ms": args.async_interval_ms if name == "async" else None,
         "powersgd_rank": args.powersgd_rank if name == "ddp_powersgd" else None,
         "warmup": args.warmup,
-        "sync_every": args.chosen_sync_every if name in SYNC_ROWS else None,
+        "sync_every": args.chosen_sync_every if split_row(name)[0] in SYNC_ROWS else None,
         "loss": sum(r["eval_loss"] for r in recs) / len(recs),
         "train_loss": sum(c[1] for c in curve[max(0, args.steps - 5):args.steps]) / min(
             5, args.steps),
@@ -355,6 +359,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     args.ddp_step_s, args.chosen_sync_every, args.sync_every_of = 0.0, None, {}
+    args.rule_sync_every = None
     torch.set_num_threads(1)
     try:
         import bagua_comm as bc
