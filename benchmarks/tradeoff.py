@@ -39,6 +39,14 @@ def auto_pick(bw, lat, world: int, model_bytes: float, compute_s: float) -> str 
     return AUTO_ROW.get(name, name)
 
 
+def _steps_to(run: dict, ddp_steps: int | None) -> float | None:
+    target = run.get("ddp_loss_target")
+    if not ddp_steps or target is None:
+        return None
+    step = next((s for s, _t, loss in run.get("eval_curve") or [] if loss <= target), None)
+    return None if step is None else round(step / ddp_steps, 3)
+
+
 def build_map(report: dict) -> list[dict]:
     """One entry per cell of an e2e report: every algorithm's time, the winner and margins."""
     out = []
@@ -46,12 +54,16 @@ def build_map(report: dict) -> list[dict]:
     for c in cells(report["runs"]):
         runs = [r for r in report["runs"] if cell(r) == c]
         times = {r["algorithm"]: r.get("time_to_ddp_loss_s") for r in runs}
+        ddp_steps = next((r["steps"] for r in runs if r["algorithm"] == "ddp"), None)
         reached = sorted((t, a) for a, t in times.items() if t is not None)
         ddp = next((r for r in runs if r["algorithm"] == "ddp" and r["status"] == "ok"), None)
         entry = {"bandwidth_mbit": c[0], "latency_ms": c[1], "label": cell_label(c),
                  "times_s": times, "winner": None, "margin": None, "winner_vs_ddp": None,
                  "auto": None, "auto_vs_best": None,
-                 "delay_line": next((r.get("delay_line") for r in runs), None)}
+                 "delay_line": next((r.get("delay_line") for r in runs), None),
+                 # steps each row took to DDP's loss / DDP's N: what recommend's
+                 # STEPS_FACTOR estimates (None: never reached it)
+                 "steps_factor": {r["algorithm"]: _steps_to(r, ddp_steps) for r in runs}}
         if reached:
             entry["winner"] = reached[0][1]
             entry["margin"] = reached[1][0] / reached[0][0] if len(reached) > 1 else None
@@ -60,7 +72,10 @@ def build_map(report: dict) -> list[dict]:
         if ddp is not None:
             pick = auto_pick(c[0], c[1], ddp["world_size"], 4 * params, ddp["compute_s"])
             entry["auto"] = pick
-            t = times.get(pick)
+            # GradientAllReduce is DDP's maths bit for bit: DDP's time stands in where the
+            # cell has no row of its own
+            t = times.get(pick) if pick in times else (
+                times.get("ddp") if pick == "gradient_allreduce" else None)
             entry["auto_vs_best"] = t / reached[0][0] if t and reached else None
         out.append(entry)
     return out
