@@ -195,6 +195,10 @@ LEGEND = ("latency: one-way delay between two hosts (round trip: twice it).  "
 def _mode(r: dict) -> str:
     from _e2e_rows import mode_note
 
+    if r.get("auto_choice"):     # with_bagua(..., "auto"): what it chose
+        c = r["auto_choice"]
+        return f"chose {c['algorithm']}, {c['bucket_size'] / 2**20:.0f} MiB buckets"
+
     note = mode_note(r["algorithm"], r.get("procs_per_host") or 1,
                      powersgd_rank=r.get("powersgd_rank") or 2, warmup=r.get("warmup") or 2,
                      async_interval_ms=r.get("sync_interval_ms"),

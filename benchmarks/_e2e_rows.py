@@ -27,7 +27,9 @@ DEFAULT_ROWS = ["ddp", "ddp_fp16", "ddp_powersgd", "ddp_bytegrad_hook", "gradien
                 "bytegrad",
                 "bytegrad_flat", "decentralized", "decentralized_shift_one",
                 "low_precision_decentralized", "async", "qadam", "local_sgd", "diloco", "ft_diloco",
-                "topk", "low_rank"]
+                "topk", "low_rank", "auto"]
+# "auto": with_bagua(model, [opt], "auto") as a user runs it (network measured at the start,
+# the rule's algorithm and bucket size); the trade-off map scores the choice by this row
 # Communicate every sync_every steps (sync_every_for); ft_diloco (torchft's DiLoCo, the peer:
 # benchmarks/_e2e_ft.py) runs with the sync_every the diloco row chose.
 SYNC_ROWS = ("local_sgd", "diloco", "ft_diloco")

@@ -75,6 +75,14 @@ def _build(name: str, model, args, harness):
         import bagua_algos
     except ImportError as err:
         raise Unavailable(f"bagua_algos is not installed ({err})") from err
+    if name == "auto":     # the automatic choice itself: measure the network, pick, train
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+        t0 = time.perf_counter()
+        wrapped = bagua_algos.with_bagua(model, [opt], "auto")
+        args.auto_choice = {"algorithm": wrapped.algorithm.name,
+                            "bucket_size": wrapped.bucket_size,
+                            "setup_s": round(time.perf_counter() - t0, 3)}
+        return wrapped, opt
     missing = [n for n in ("Algorithm", "with_bagua") if not hasattr(bagua_algos, n)]
     if missing:
         raise Unavailable(f"bagua_algos {bagua_algos.__version__} has no {', '.join(missing)} "
@@ -319,6 +327,7 @@ def _combine(name: str, recs: list[dict], args, params: int, world: int) -> dict
         "powersgd_rank": args.powersgd_rank if name == "ddp_powersgd" else None,
         "warmup": args.warmup,
         "sync_every": args.chosen_sync_every if split_row(name)[0] in SYNC_ROWS else None,
+        "auto_choice": args.auto_choice if name == "auto" else None,
         "loss": sum(r["eval_loss"] for r in recs) / len(recs),
         "train_loss": sum(c[1] for c in curve[max(0, args.steps - 5):args.steps]) / min(
             5, args.steps),
@@ -360,6 +369,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.ddp_step_s, args.chosen_sync_every, args.sync_every_of = 0.0, None, {}
     args.rule_sync_every = None
+    args.auto_choice = None
     torch.set_num_threads(1)
     try:
         import bagua_comm as bc

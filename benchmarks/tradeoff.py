@@ -47,6 +47,22 @@ def _steps_to(run: dict, ddp_steps: int | None) -> float | None:
     return None if step is None else round(step / ddp_steps, 3)
 
 
+def _auto_time(runs, times, c, ddp, params) -> tuple[str | None, float | None]:
+    """What the automatic choice picks in cell ``c`` and its time to DDP's loss: the
+    ``auto`` row's own run where the cell has one (with_bagua(..., "auto"), its measurement
+    and bucket size included), else the row of the rule's pick for the cell's network."""
+    row = next((r for r in runs if r["algorithm"] == "auto" and r["status"] == "ok"), None)
+    if row is not None:
+        pick = (row.get("auto_choice") or {}).get("algorithm")
+        return f"auto ({pick})", times.get("auto")
+    pick = auto_pick(c[0], c[1], ddp["world_size"], 4 * params, ddp["compute_s"])
+    # GradientAllReduce is DDP's maths bit for bit: DDP's time stands in where the cell has
+    # no row of its own
+    if pick not in times and pick == "gradient_allreduce":
+        return pick, times.get("ddp")
+    return pick, times.get(pick)
+
+
 def build_map(report: dict) -> list[dict]:
     """One entry per cell of an e2e report: every algorithm's time, the winner and margins."""
     out = []
@@ -55,7 +71,8 @@ def build_map(report: dict) -> list[dict]:
         runs = [r for r in report["runs"] if cell(r) == c]
         times = {r["algorithm"]: r.get("time_to_ddp_loss_s") for r in runs}
         ddp_steps = next((r["steps"] for r in runs if r["algorithm"] == "ddp"), None)
-        reached = sorted((t, a) for a, t in times.items() if t is not None)
+        # the "auto" row (with_bagua(..., "auto") run as is) is the choice, not a contender
+        reached = sorted((t, a) for a, t in times.items() if t is not None and a != "auto")
         ddp = next((r for r in runs if r["algorithm"] == "ddp" and r["status"] == "ok"), None)
         entry = {"bandwidth_mbit": c[0], "latency_ms": c[1], "label": cell_label(c),
                  "times_s": times, "winner": None, "margin": None, "winner_vs_ddp": None,
@@ -70,12 +87,7 @@ def build_map(report: dict) -> list[dict]:
             if times.get("ddp"):
                 entry["winner_vs_ddp"] = times["ddp"] / reached[0][0]
         if ddp is not None:
-            pick = auto_pick(c[0], c[1], ddp["world_size"], 4 * params, ddp["compute_s"])
-            entry["auto"] = pick
-            # GradientAllReduce is DDP's maths bit for bit: DDP's time stands in where the
-            # cell has no row of its own
-            t = times.get(pick) if pick in times else (
-                times.get("ddp") if pick == "gradient_allreduce" else None)
+            entry["auto"], t = _auto_time(runs, times, c, ddp, params)
             entry["auto_vs_best"] = t / reached[0][0] if t and reached else None
         out.append(entry)
     return out

@@ -246,3 +246,17 @@ def test_sweep_rows_are_checked_and_added_to_the_full_run_only():
     for bad in ("bytegrad@x2", "diloco@", "diloco@fast", "diloco@-3", "diloco@x0"):
         with pytest.raises(SystemExit):
             parse_args(["--quick", "--algorithms", f"ddp,{bad}"])
+
+
+@pytest.mark.timeout(420)
+def test_auto_row_runs_the_automatic_choice_and_says_what_it_chose(tmp_path):
+    """On loopback (fast, near) the rule keeps the exact allreduce: the auto row trains as
+    GradientAllReduce does, i.e. as DDP does, and records its choice."""
+    report, _ = _run(tmp_path, "--no-testbed", "--algorithms", "ddp,auto")
+    runs = {r["algorithm"]: r for r in report["runs"]}
+    auto = runs["auto"]
+    assert auto["status"] == "ok", auto
+    assert auto["auto_choice"]["algorithm"] == "gradient_allreduce"
+    assert auto["auto_choice"]["setup_s"] < 10
+    assert auto["loss"] == pytest.approx(runs["ddp"]["loss"], rel=1e-4)
+    assert "chose gradient_allreduce" in markdown(report["runs"])

@@ -47,6 +47,7 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
     leave the algorithm's maths unchanged) during the first steps of training, starting from
     ``bucket_size``; see :meth:`BaguaModule.autotune_report`.
     """
+    bucket_given = bucket_size is not None
     bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
     if not isinstance(broadcast_buffers, bool):
         raise ValueError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
@@ -67,7 +68,10 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
                              f"{type(opt).__name__}")
     if isinstance(algorithm, str) and algorithm == "auto":  # measure the network, choose
         from ._recommend import resolve_algorithm
-        algorithm = resolve_algorithm(algorithm, model, group)
+        rec = resolve_algorithm(algorithm, model, group)
+        algorithm = rec.algorithm
+        if rec.bucket_size and not bucket_given:   # the same on every rank (broadcast)
+            bucket_size = rec.bucket_size
     if not isinstance(algorithm, Algorithm):
         raise ValueError("algorithm must be a bagua_algos.Algorithm (e.g. GradientAllReduce() or "
                          f"Algorithm.init('gradient_allreduce')), got {type(algorithm).__name__}")
