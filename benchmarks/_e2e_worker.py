@@ -78,8 +78,12 @@ def _build(name: str, model, args, harness):
     if name == "auto":     # the automatic choice itself: measure the network, pick, train
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         t0 = time.perf_counter()
-        wrapped = bagua_algos.with_bagua(model, [opt], "auto")
-        args.auto_choice = {"algorithm": wrapped.algorithm.name,
+        # recommend() with the step's computation time (the harness measured it, a user
+        # times a step): then communicating rarely (DiLoCo) is a candidate too
+        rec = bagua_algos.recommend(model, compute_s=args.row_compute_s)
+        wrapped = bagua_algos.with_bagua(model, [opt], rec.algorithm,
+                                         bucket_size=rec.bucket_size)
+        args.auto_choice = {"algorithm": wrapped.algorithm.name, "kwargs": rec.kwargs,
                             "bucket_size": wrapped.bucket_size,
                             "setup_s": round(time.perf_counter() - t0, 3)}
         return wrapped, opt
@@ -214,6 +218,9 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
             args.chosen_sync_every = sync_every_of_row(name, args.rule_sync_every)
         args.sync_every_of[name] = args.chosen_sync_every
     args.row_close = None
+    slowest = torch.tensor([compute_s], dtype=torch.float64)   # the same on every rank
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=harness)
+    args.row_compute_s = float(slowest)
     wrapped, opt = _build(name, model, args, harness)
 
     def step(x, y) -> float:

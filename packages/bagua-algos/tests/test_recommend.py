@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -161,8 +162,26 @@ def test_auto_takes_the_recommended_bucket_size_unless_one_is_given():
 
 
 def test_negligible_communication_keeps_the_exact_allreduce():
-    # 2 ranks 0.2 ms apart at 10 Gbit/s, a 1 MB model: the allreduce's two latency rounds
-    # lose to one exchange by ratio, but 1.2 ms a step is not worth changing the maths for.
-    name, _, _, scores = choose(10_000, 0.2, 2, 1e6)
+    # 2 ranks 1 ms apart, a 10 kB model: the allreduce's two latency rounds (2 ms) lose to
+    # one exchange (1 ms x 1.25) by more than the 1.5 tie, but 2 ms a step is not worth
+    # changing the maths for.
+    name, _, _, scores = choose(10_000, 1.0, 2, 1e4)
     assert name == "gradient_allreduce"
     assert scores["decentralized"] < scores["gradient_allreduce"]
+
+
+def test_with_the_computation_known_communicating_rarely_is_a_candidate():
+    from bagua_algos._recommend import STEPS_FACTOR, diloco_sync_every
+
+    # The map's 10 Mbit/s cell: 4 hosts, a 5.8 MB model, 0.29 s of compute per step.
+    name, kwargs, why, scores = choose(10, 0, 4, 5.76e6, compute_s=0.29)
+    ring = 1.5 * 5.76e6 / (10e6 / 8)
+    h = diloco_sync_every(ring, 0.29)
+    assert name == "diloco" and kwargs["sync_every"] == h == math.ceil(ring / 0.029)
+    assert scores["diloco"] == pytest.approx((0.29 + ring / h) * STEPS_FACTOR["diloco"])
+    assert "every" in why
+    # Unknown computation: never DiLoCo (its cost is meaningless without it).
+    assert "diloco" not in choose(10, 0, 4, 5.76e6)[3]
+    # A fast network: the exact allreduce, whatever the computation.
+    assert choose(10_000, 0.05, 4, 5.76e6, compute_s=0.29)[0] == "gradient_allreduce"
+    assert diloco_sync_every(0.0, 1.0) == 8 and diloco_sync_every(1e6, 1e-3) == 512

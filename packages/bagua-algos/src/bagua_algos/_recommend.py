@@ -29,6 +29,7 @@ the computation time is not given) go to the exact algorithm.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -42,7 +43,18 @@ log = logging.getLogger("bagua_algos.recommend")
 #: Extra steps each algorithm needs to reach the loss full-precision DDP reaches (x), from the
 #: trade-off map's runs: compression and gossip cost a little convergence.
 STEPS_FACTOR = {"gradient_allreduce": 1.0, "bytegrad": 1.05, "decentralized": 1.25,
-                "low_precision_decentralized": 1.4}
+                "low_precision_decentralized": 1.4,
+                # DiLoCo's local steps on a quarter of DDP's batch (4 ranks): 1.9x DDP's steps
+                # on the map's 10 Mbit/s cells (small model, N=10), 2.9x on 4 hosts at
+                # 100 Mbit/s (base, N=30)
+                "diloco": 2.5}
+
+
+def diloco_sync_every(comm_s: float, compute_s: float, overhead: float = 0.1) -> int:
+    """DiLoCo's ``sync_every`` for a step of ``compute_s`` whose full allreduce would take
+    ``comm_s``: one sync spread over H steps adds at most ``overhead`` of their compute
+    (benchmarks' rule, without their time budget), within [8, 512]."""
+    return int(min(512, max(8, math.ceil(comm_s / (overhead * max(compute_s, 1e-6))))))
 #: Scores within this ratio of the exact algorithm's count as a tie (it wins); wider when the
 #: step's computation is unknown (the steps factors then only weigh the communication).
 TIE, TIE_UNKNOWN_COMPUTE = 1.05, 1.5
@@ -118,6 +130,9 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
 
     ``bandwidth_mbit``/``latency_ms`` (one way) between nodes, ``model_bytes`` the gradient
     bytes per step, ``compute_s`` a step's computation (0: unknown, communication only).
+    With the computation known, DiLoCo (train locally, average every H steps) is a candidate
+    too: its cost only makes sense against it (``with_bagua(..., "auto")`` does not know it;
+    ``recommend(model, compute_s=...)`` does).
     Raises ``ValueError`` naming the argument for a non-positive bandwidth, a negative latency
     or compute time, or a world size below 1.
     """
@@ -144,12 +159,18 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
         "decentralized": lat + model_bytes / bps,
         "low_precision_decentralized": lat + 2 * model_bytes / _UINT8 / bps + codec,
     }
+    h = None
+    if compute_s > 0:    # communicating rarely pays only against a known computation time
+        h = diloco_sync_every(comm["gradient_allreduce"], compute_s)
+        comm["diloco"] = comm["gradient_allreduce"] / h
     scores = {a: (compute_s + c) * STEPS_FACTOR[a] for a, c in comm.items()}
     best = min(scores, key=scores.get)
     if (scores["gradient_allreduce"] <= (TIE if compute_s else TIE_UNKNOWN_COMPUTE) * scores[best]
             or comm["gradient_allreduce"] < NEGLIGIBLE_S):
         best = "gradient_allreduce"
     kwargs = {"hierarchical": hier}
+    if best == "diloco":
+        kwargs["sync_every"] = h
     if best == "decentralized":
         kwargs["peer_selection_mode"] = "shift_one"
     why = {"gradient_allreduce": "the network is fast enough for the exact allreduce",
@@ -157,7 +178,9 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
            "decentralized": "latency-bound: one exchange with one peer per step instead of "
                             f"{2 * (n - 1)} rounds",
            "low_precision_decentralized": "latency- and bandwidth-bound: one compressed "
-                                          "exchange with two neighbours"}[best]
+                                          "exchange with two neighbours",
+           "diloco": f"communication dominates the step: train locally and average every "
+                     f"{h} steps (DiLoCo)"}[best]
     est = ", ".join(f"{a} {1e3 * s:.0f}" for a, s in sorted(scores.items(), key=lambda x: x[1]))
     return best, kwargs, f"{why} (est. ms/step x steps factor: {est})", scores
 
