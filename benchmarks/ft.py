@@ -138,12 +138,6 @@ class Hosts:
             raise RuntimeError(f"the Lighthouse on host 0 did not start: {line!r}")
         return line, p.kill
 
-    def link(self, host: int, up: bool) -> None:
-        """Take host ``host``'s link down (its peers see silence, as when a machine loses
-        power or its network) or back up."""
-        self.tb.run(host, ["ip", "link", "set", self.tb.hosts[host].ifname,
-                           "up" if up else "down"], check=True)
-
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
@@ -183,7 +177,7 @@ def scenario(hosts: Hosts, system: str, lighthouse: str, out: Path, args) -> dic
               "the first steps")
         t_kill = time.time()
         if args.fault == "link":     # the host vanishes: no FIN, no RST, silence
-            hosts.link(LOST, up=False)
+            hosts.tb.set_link(LOST, up=False)
         procs[f"h{LOST}"].send_signal(signal.SIGKILL)
         procs[f"h{LOST}"].wait()
         survivors = [f"h{i}" for i in range(HOSTS) if i != LOST]
@@ -192,7 +186,7 @@ def scenario(hosts: Hosts, system: str, lighthouse: str, out: Path, args) -> dic
               "training at 2")
         t_back = time.time()
         if args.fault == "link":
-            hosts.link(LOST, up=True)
+            hosts.tb.set_link(LOST, up=True)
         procs["back"] = spawn("back", LOST)
         _wait(lambda: (out / "ready-back").exists(), 180, "the return's start")
         (out / "go-back").touch()
