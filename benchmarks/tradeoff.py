@@ -2,7 +2,7 @@
 
     python benchmarks/tradeoff.py                       # 4 hosts, 10/100/1000 Mbit/s x 0/5/50 ms
     python benchmarks/tradeoff.py --quick               # 2 hosts, 100 Mbit/s x 0/5 ms, tiny steps
-    python benchmarks/tradeoff.py --from-json out/e2e.json   # a map from an e2e.py run
+    python benchmarks/tradeoff.py --from-json out/e2e.json [more.json]  # from e2e.py runs
 
 Runs benchmarks/e2e.py over the grid (every row: DDP, its hooks, each bagua algorithm and
 mode), then per cell names the winner by time to DDP's loss, its margin (the runner-up's time
@@ -70,7 +70,7 @@ def build_map(report: dict) -> list[dict]:
     for c in cells(report["runs"]):
         runs = [r for r in report["runs"] if cell(r) == c]
         times = {r["algorithm"]: r.get("time_to_ddp_loss_s") for r in runs}
-        ddp_steps = next((r["steps"] for r in runs if r["algorithm"] == "ddp"), None)
+        ddp_steps = next((r.get("steps") for r in runs if r["algorithm"] == "ddp"), None)
         # the "auto" row (with_bagua(..., "auto") run as is) is the choice, not a contender
         reached = sorted((t, a) for a, t in times.items() if t is not None and a != "auto")
         ddp = next((r for r in runs if r["algorithm"] == "ddp" and r["status"] == "ok"), None)
@@ -128,7 +128,7 @@ def heatmap(entries: list[dict], path: Path, title: str = "") -> Path | None:
     ax.set_yticks(range(len(lats)), [f"{lat:g} ms" for lat in lats])
     ax.set_xlabel("link bandwidth per host")
     ax.set_ylabel("one-way latency")
-    ax.set_title(title or "first to DDP's loss (margin: runner-up's time / winner's)",
+    ax.set_title(title or "first to DDP's loss\n(margin: runner-up's time / winner's)",
                  fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,12 +140,14 @@ def heatmap(entries: list[dict], path: Path, title: str = "") -> Path | None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"a tiny grid: {QUICK}")
-    ap.add_argument("--from-json", type=Path, help="map an existing e2e.py JSON; run nothing")
+    ap.add_argument("--from-json", type=Path, nargs="+",
+                    help="map existing e2e.py JSONs (their cells together); run nothing")
     ap.add_argument("--json", type=Path, default=Path("out/tradeoff/tradeoff.json"))
     ap.add_argument("--plot", type=Path, default=Path("out/tradeoff/tradeoff.png"))
     args, e2e_args = ap.parse_known_args(argv)
     if args.from_json:
-        report = json.loads(args.from_json.read_text())
+        reports = [json.loads(p.read_text()) for p in args.from_json]
+        report = {**reports[0], "runs": [r for rep in reports for r in rep["runs"]]}
     else:
         import e2e
 
