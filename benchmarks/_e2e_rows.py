@@ -32,7 +32,7 @@ DEFAULT_ROWS = ["ddp", "ddp_fp16", "ddp_powersgd", "ddp_bytegrad_hook", "gradien
 # the rule's algorithm and bucket size); the trade-off map scores the choice by this row
 # Communicate every sync_every steps (sync_every_for); ft_diloco (torchft's DiLoCo, the peer:
 # benchmarks/_e2e_ft.py) runs with the sync_every the diloco row chose.
-SYNC_ROWS = ("local_sgd", "diloco", "ft_diloco")
+SYNC_ROWS = ("local_sgd", "diloco", "diloco_u8", "diloco_u4", "ft_diloco")
 # The full run's sweep of DiLoCo's H around the rule's choice (rows "diloco@x0.5" ...; a row
 # "diloco@64" fixes H=64): DESIGN's H is a knob the user picks, so the main job shows how time
 # to DDP's loss and bytes move with it instead of one point.
@@ -77,6 +77,10 @@ _VARIANTS = {  # row name: (registry name, fixed keyword arguments)
     "topk_1pct": ("topk", {"density": 0.01}),
     "topk_1pct_u4": ("topk", {"density": 0.01}),
     "low_rank": ("low_rank", {"rank": 2}),         # as ddp_powersgd's default rank
+    # DiLoCo with its outer gradient min-max quantised (8- or 4-bit) with error feedback, as
+    # INTELLECT-1 (int8) and Streaming DiLoCo (4-bit) send it: opt-in rows
+    "diloco_u8": ("diloco", {}),
+    "diloco_u4": ("diloco", {}),
 }
 
 
@@ -94,8 +98,10 @@ def default_rows(procs_per_host: int) -> list[str]:
     return [r for r in DEFAULT_ROWS if procs_per_host > 1 or r != "bytegrad_flat"]
 
 
-def bagua_spec(row: str, procs_per_host: int, *, warmup: int = 2) -> tuple[str, dict]:
-    """``(registry name, kwargs)`` of a bagua row (``warmup``: the job's warm-up steps)."""
+def bagua_spec(row: str, procs_per_host: int, *, warmup: int = 2,
+               world: int = 1) -> tuple[str, dict]:
+    """``(registry name, kwargs)`` of a bagua row (``warmup``: the job's warm-up steps;
+    ``world``: the ranks, whose count a compressed allreduce's chunks must divide)."""
     row = split_row(row)[0]
     name, kwargs = _VARIANTS.get(row, (row, {}))
     kwargs = dict(kwargs)
@@ -105,6 +111,11 @@ def bagua_spec(row: str, procs_per_host: int, *, warmup: int = 2) -> tuple[str, 
         from bagua_comm.compression import MinMaxUInt4, MinMaxUInt8
 
         kwargs["compressor"] = MinMaxUInt4(1) if row.endswith("_u4") else MinMaxUInt8(1)
+    if row.startswith("diloco_u"):
+        from bagua_comm.compression import MinMaxUInt4, MinMaxUInt8
+
+        kwargs["compressor"] = (MinMaxUInt4 if row == "diloco_u4" else MinMaxUInt8)(
+            world, error_feedback=True)
     if name in HIERARCHICAL and "hierarchical" not in kwargs:
         kwargs["hierarchical"] = procs_per_host > 1
     return name, kwargs
@@ -139,7 +150,8 @@ def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2, warmup: 
     if row == "ft_diloco":
         return f"torchft, H={sync_every}" if sync_every else "torchft"
     if split_row(row)[0] in SYNC_ROWS and sync_every:
-        return f"H={sync_every}"
+        bits = {"diloco_u8": ", 8-bit EF", "diloco_u4": ", 4-bit EF"}.get(split_row(row)[0], "")
+        return f"H={sync_every}{bits}"
     if row.startswith("topk"):
         density = _VARIANTS[row][1]["density"]
         return (f"{density:.1%}, {4 if row.endswith('_u4') else 8}-bit values, EF, "

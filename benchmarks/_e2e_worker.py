@@ -91,7 +91,8 @@ def _build(name: str, model, args, harness):
     if missing:
         raise Unavailable(f"bagua_algos {bagua_algos.__version__} has no {', '.join(missing)} "
                           f"yet")
-    algo_name, kwargs = bagua_spec(name, args.procs_per_host, warmup=args.warmup)
+    algo_name, kwargs = bagua_spec(name, args.procs_per_host, warmup=args.warmup,
+                                   world=dist.get_world_size())
     if algo_name == "qadam":
         if not hasattr(bagua_algos, "QAdamOptimizer"):
             raise Unavailable("bagua_algos has no QAdamOptimizer yet")

@@ -223,9 +223,9 @@ def test_diloco_sweep_rows_run_their_own_h_and_send_one_model_per_h_steps(tmp_pa
     """``diloco@H`` fixes H and ``diloco@xK`` scales the rule's H (here ``--sync-every 2``):
     each row sends one model-sized allreduce every H steps, no more."""
     report, _ = _run(tmp_path, "--no-testbed", "--steps", "8", "--sync-every", "2",
-                     "--algorithms", "ddp,diloco,diloco@x2,diloco@8")
+                     "--algorithms", "ddp,diloco,diloco@x2,diloco@8,diloco_u4@4")
     runs = {r["algorithm"]: r for r in report["runs"]}
-    assert list(runs) == ["ddp", "diloco", "diloco@x2", "diloco@8"]
+    assert list(runs) == ["ddp", "diloco", "diloco@x2", "diloco@8", "diloco_u4@4"]
     assert [runs[a]["sync_every"] for a in ("diloco", "diloco@x2", "diloco@8")] == [2, 4, 8]
     ddp_bytes = runs["ddp"]["bytes_per_step_accounted"]   # one gradient allreduce per step
     for name in ("diloco", "diloco@x2", "diloco@8"):
@@ -233,6 +233,11 @@ def test_diloco_sweep_rows_run_their_own_h_and_send_one_model_per_h_steps(tmp_pa
         assert r["status"] == "ok", r
         assert r["bytes_per_step_accounted"] == pytest.approx(ddp_bytes / r["sync_every"],
                                                               rel=0.05), name
+    # The 4-bit outer gradient: an eighth of float32's bytes, plus the records' headers
+    # (measured: a third more on this 13k-parameter model).
+    u4 = runs["diloco_u4@4"]
+    assert u4["status"] == "ok" and u4["sync_every"] == 4
+    assert ddp_bytes / 4 / 8 < u4["bytes_per_step_accounted"] < 1.5 * ddp_bytes / 4 / 8
 
 
 def test_sweep_rows_are_checked_and_added_to_the_full_run_only():
