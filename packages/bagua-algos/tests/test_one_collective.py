@@ -1,7 +1,7 @@
 """One collective per training step for GradientAllReduce (DESIGN.md §5, "DDP parity"): the
 "did any rank give this tensor a gradient" flags ride in the last bucket's allreduce instead
 of a collective of their own, in fp32, fp16 and bf16 buckets, across no_sync() accumulation.
-(The hierarchical mode is counted on 4 ranks in test_hierarchical.py; bit-for-bit parity
+(The hierarchical mode, hierarchical_run, runs in test_hierarchical.py's 4-rank spawn; bit-for-bit parity
 with DDP's find_unused_parameters=True is test_ddp_parity.py's.)"""
 
 from __future__ import annotations
@@ -87,6 +87,43 @@ def _bytegrad_run():
         opt.step()
     wrapped.detach_algorithm()
     return none
+
+
+def hierarchical_run():
+    """For test_hierarchical's 4 ranks (2 nodes of 2): collectives per step of
+    GradientAllReduce(hierarchical=True), which grads are None, and b.weight's gradient."""
+    rank = bc.get_rank()
+    model = _Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    wrapped = with_bagua(model, [opt], GradientAllReduce(hierarchical=True), bucket_size=128)
+    calls, none, b_grads = [], [], []
+    for step in range(4):
+        model.use_b = rank == 0 and step % 2 == 0
+        with _counting_collectives() as issued:
+            opt.zero_grad(set_to_none=True)
+            _step(wrapped, model, step, rank, torch.float32)
+            none.append([p.grad is None for p in model.parameters()])
+            b_grads.append(None if model.b.weight.grad is None
+                           else model.b.weight.grad.clone())
+            opt.step()
+        calls.append(len(issued))
+    out = {"calls": calls, "buckets": len(wrapped.buckets), "none": none, "b": b_grads,
+           "leader": wrapped.group.is_node_leader()}
+    wrapped.detach_algorithm()
+    return out
+
+
+def check_hierarchical(results):
+    """Each bucket: an intra-node reduce, the leaders' allreduce, an intra-node broadcast;
+    nothing more for the flags.  ``b`` (used on rank 0 at even steps) is averaged over all
+    four ranks, ``c`` (never used) keeps grad None."""
+    for r in results:
+        per_bucket = 3 if r["leader"] else 2
+        assert r["calls"][2:] == [per_bucket * r["buckets"]] * 2, (r["calls"], r["buckets"])
+        assert r["none"] == [_expected_none(s) for s in range(4)]
+    for step in (0, 2):
+        assert all(torch.equal(r["b"][step], results[0]["b"][step]) for r in results)
+        assert results[0]["b"][step].abs().sum() > 0
 
 
 def _all():
