@@ -1,8 +1,10 @@
-"""One collective per training step for GradientAllReduce (DESIGN.md §5, "DDP parity"): the
-"did any rank give this tensor a gradient" flags ride in the last bucket's allreduce instead
-of a collective of their own, in fp32, fp16 and bf16 buckets, across no_sync() accumulation.
-(The hierarchical mode, hierarchical_run, runs in test_hierarchical.py's 4-rank spawn; bit-for-bit parity
-with DDP's find_unused_parameters=True is test_ddp_parity.py's.)"""
+"""One collective per training step (DESIGN.md §5, "DDP parity"): the "did any rank give this
+tensor a gradient" flags ride in the last bucket's allreduce instead of a collective of their
+own, for GradientAllReduce (fp32, fp16 and bf16 buckets, across no_sync() accumulation) and
+the averaging warmup steps of QAdam and AsyncModelAverage; ByteGrad, whose compressed
+communication cannot carry them, still gets unused parameters right.  (The hierarchical mode,
+hierarchical_run, runs in test_hierarchical.py's 4-rank spawn; bit-for-bit parity with DDP's
+find_unused_parameters=True is test_ddp_parity.py's.)"""
 
 from __future__ import annotations
 
@@ -13,7 +15,14 @@ from test_ddp_parity import _Branchy
 from test_diloco import _counting_collectives
 
 import bagua_comm as bc
-from bagua_algos import ByteGrad, GradientAllReduce, with_bagua
+from bagua_algos import (
+    AsyncModelAverage,
+    ByteGrad,
+    GradientAllReduce,
+    QAdam,
+    QAdamOptimizer,
+    with_bagua,
+)
 from bagua_comm.testing import run_ranks
 
 STEPS = 6
@@ -24,13 +33,19 @@ def _step(wrapped, model, step, rank, dtype):
     torch.nn.functional.mse_loss(wrapped(x.to(dtype)), y.to(dtype)).backward()
 
 
-def _run(dtype, bucket_size=None):
+def _run(dtype, bucket_size=None, algo="gradient_allreduce"):
     """Per step: collectives issued (zero_grad to optimizer.step), which grads are None, and
     this rank's b.weight gradient.  ``b`` is used on rank 0 at even steps only, ``c`` never."""
     rank = bc.get_rank()
     model = _Branchy().to(dtype)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    wrapped = with_bagua(model, [opt], GradientAllReduce(), bucket_size=bucket_size)
+    if algo == "qadam":                   # every step a warmup step: averaged gradients
+        opt = QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=STEPS)
+        algorithm = QAdam(opt, hierarchical=False)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        algorithm = (AsyncModelAverage(warmup_steps=STEPS) if algo == "async"
+                     else GradientAllReduce())
+    wrapped = with_bagua(model, [opt], algorithm, bucket_size=bucket_size)
     calls, none, b_grads = [], [], []
     for step in range(STEPS):
         model.use_b = rank == 0 and step % 2 == 0
@@ -129,7 +144,8 @@ def check_hierarchical(results):
 def _all():
     return {"fp32": _run(torch.float32), "fp16": _run(torch.float16, bucket_size=128),
             "bf16": _run(torch.bfloat16, bucket_size=128), "no_sync": _no_sync_run(),
-            "bytegrad": _bytegrad_run()}
+            "bytegrad": _bytegrad_run(), "qadam warmup": _run(torch.float32, algo="qadam"),
+            "async warmup": _run(torch.float32, algo="async")}
 
 
 @pytest.fixture(scope="module")
@@ -144,20 +160,20 @@ def _expected_none(step):
     return [False, False, b_unused, b_unused, True, True, False, False]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
-def test_gradient_allreduce_one_collective_per_bucket_and_none_for_flags(runs, dtype):
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "qadam warmup", "async warmup"])
+def test_one_collective_per_bucket_and_none_for_flags(runs, dtype):
     for r in runs:
         res = r[dtype]
         # from step 2 on (step 0 observes the gradient order, step 1's forward shares it)
         assert res["calls"][2:] == [res["buckets"]] * (STEPS - 2), res["calls"]
-        if dtype == "fp32":
+        if dtype in ("fp32", "qadam warmup", "async warmup"):
             assert res["buckets"] == 1             # default bucket size: ONE per step
         else:
             assert res["buckets"] > 1              # the flags ride in the last of several
         assert res["none"] == [_expected_none(s) for s in range(STEPS)]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "qadam warmup", "async warmup"])
 def test_parameter_used_on_one_rank_is_averaged(runs, dtype):
     rank0, rank1 = runs[0][dtype], runs[1][dtype]
     for step in range(0, STEPS, 2):           # b used on rank 0 only: both ranks hold half
