@@ -8,6 +8,7 @@ from pathlib import Path
 DECENTRALIZED_OR_ASYNC = ("decentralized", "decentralized_shift_one",
                           "low_precision_decentralized", "async")
 DDP_PEERS = ("ddp_fp16", "ddp_powersgd")  # what a user would pick instead of bagua
+OTHER_PEERS = ("ft_diloco",)   # torchft's DiLoCo: a peer row, never counted as ours
 
 
 def bw_label(bw) -> str:
@@ -76,6 +77,29 @@ def _best(runs, c, names) -> dict | None:
     return min(cands, key=lambda r: r["time_to_ddp_loss_s"]) if cands else None
 
 
+def _diloco_targets(add, runs, by, c, ddp, hosts) -> None:
+    """Issue 24's: the best DiLoCo row (the rule's H or a sweep row) reaches DDP's loss in
+    <= 0.2x DDP's time and no later than torchft's DiLoCo; the rule's row sends <= 1/50 of
+    DDP's bytes per step."""
+    rows = [a for (cc, a) in by if cc == c and a.split("@")[0] == "diloco"]
+    best = _best(runs, c, rows)
+    t_ddp = ddp.get("time_to_ddp_loss_s")
+    if rows and t_ddp:
+        v = best["time_to_ddp_loss_s"] / t_ddp if best else None
+        add(f"DiLoCo time to DDP's loss vs DDP's, {hosts} hosts", c,
+            best["algorithm"] if best else "diloco", v, "<= 0.2", v is not None and v <= 0.2)
+    peer = by.get((c, "ft_diloco"))
+    if rows and peer and peer.get("time_to_ddp_loss_s"):
+        v = peer["time_to_ddp_loss_s"] / best["time_to_ddp_loss_s"] if best else None
+        add("DiLoCo ahead of torchft's DiLoCo (its time / ours)", c,
+            best["algorithm"] if best else "diloco", v, ">= 1", v is not None and v >= 1)
+    ours = by.get((c, "diloco"))
+    if ours and ours.get("bytes_per_step") and ddp.get("bytes_per_step"):
+        v = ours["bytes_per_step"] / ddp["bytes_per_step"]
+        add(f"DiLoCo bytes per step vs DDP's at the chosen H={ours.get('sync_every')}", c,
+            "diloco", v, "<= 0.02", v <= 0.02)
+
+
 def check_targets(runs: list[dict]) -> list[dict]:
     """The targets of issue 16 (and the earlier ones), each with the measured value and
     whether it is met.  They are performance goals: a target not met is a finding of the
@@ -87,7 +111,7 @@ def check_targets(runs: list[dict]) -> list[dict]:
                     "algorithm": algo, "value": value, "need": need, "met": bool(ok)})
 
     by = {(cell(r), r["algorithm"]): r for r in runs if r["status"] == "ok"}
-    bagua = sorted({r["algorithm"] for r in runs} - {"ddp", *DDP_PEERS})
+    bagua = sorted({r["algorithm"] for r in runs} - {"ddp", *DDP_PEERS, *OTHER_PEERS})
     for c in cells(runs):
         bw = c[0]
         ddp = by.get((c, "ddp"))
@@ -108,6 +132,8 @@ def check_targets(runs: list[dict]) -> list[dict]:
                     add(f"Decentralized reaches DDP's loss sooner than DDP, {hosts} hosts "
                         f"(DDP's time / its)", c, t_dec["algorithm"] if t_dec else "-", v,
                         "> 1", v is not None and v > 1)
+        if bw == 100 and hosts >= 4:
+            _diloco_targets(add, runs, by, c, ddp, hosts)
         hier, flat = by.get((c, "bytegrad")), by.get((c, "bytegrad_flat"))
         if bw is not None and hier and flat and (ddp.get("procs_per_host") or 1) > 1:
             v = hier["samples_per_s"] / flat["samples_per_s"]
@@ -168,6 +194,10 @@ LEGEND = ("latency: one-way delay between two hosts (round trip: twice it).  "
 
 def _mode(r: dict) -> str:
     from _e2e_rows import mode_note
+
+    if r.get("auto_choice"):     # with_bagua(..., "auto"): what it chose
+        c = r["auto_choice"]
+        return f"chose {c['algorithm']}, {c['bucket_size'] / 2**20:.0f} MiB buckets"
 
     note = mode_note(r["algorithm"], r.get("procs_per_host") or 1,
                      powersgd_rank=r.get("powersgd_rank") or 2, warmup=r.get("warmup") or 2,
@@ -257,7 +287,7 @@ def plot(runs: list[dict], path: Path, subtitle: str = "") -> Path | None:
     for r in runs:
         if r["algorithm"] not in algos:
             algos.append(r["algorithm"])
-    ours = [a for a in algos if a != "ddp" and a not in DDP_PEERS]
+    ours = [a for a in algos if a != "ddp" and a not in DDP_PEERS]   # colours only
     styles = {a: _style(a, ours.index(a) if a in ours else 0) for a in algos}
     n = len(bws)
     fig, axes = plt.subplots(1, n + 1, figsize=(4.6 * n + 6.8, 4.8), squeeze=False,

@@ -27,10 +27,44 @@ DEFAULT_ROWS = ["ddp", "ddp_fp16", "ddp_powersgd", "ddp_bytegrad_hook", "gradien
                 "bytegrad",
                 "bytegrad_flat", "decentralized", "decentralized_shift_one",
                 "low_precision_decentralized", "async", "qadam", "local_sgd", "diloco", "ft_diloco",
-                "topk", "low_rank"]
+                "topk", "low_rank", "auto"]
+# "auto": with_bagua(model, [opt], "auto") as a user runs it (network measured at the start,
+# the rule's algorithm and bucket size); the trade-off map scores the choice by this row
 # Communicate every sync_every steps (sync_every_for); ft_diloco (torchft's DiLoCo, the peer:
 # benchmarks/_e2e_ft.py) runs with the sync_every the diloco row chose.
-SYNC_ROWS = ("local_sgd", "diloco", "ft_diloco")
+SYNC_ROWS = ("local_sgd", "diloco", "diloco_u8", "diloco_u4", "ft_diloco")
+# The full run's sweep of DiLoCo's H around the rule's choice (rows "diloco@x0.5" ...; a row
+# "diloco@64" fixes H=64): DESIGN's H is a knob the user picks, so the main job shows how time
+# to DDP's loss and bytes move with it instead of one point.
+SYNC_SWEEP = ("x0.5", "x2", "x4")
+
+
+def split_row(row: str) -> tuple[str, str | None]:
+    """``"diloco@x2"`` -> ``("diloco", "x2")``; ``"diloco@64"`` -> ``("diloco", "64")``; a
+    row without ``@`` -> ``(row, None)``.  Only the sync rows take an ``@H``."""
+    base, sep, h = row.partition("@")
+    if not sep:
+        return row, None
+    if base not in SYNC_ROWS or not h:
+        raise ValueError(f"row {row!r}: only {', '.join(SYNC_ROWS)} take '@H' or '@xK' (H: "
+                         f"sync_every; xK: K times the rule's choice)")
+    try:
+        value = float(h[1:]) if h.startswith("x") else int(h)
+    except ValueError:
+        raise ValueError(f"row {row!r}: '@{h}' is neither an integer H nor 'xK'") from None
+    if value <= 0:
+        raise ValueError(f"row {row!r}: H (or the factor) must be > 0")
+    return base, h
+
+
+def sync_every_of_row(row: str, chosen: int) -> int:
+    """The H a sync row runs: its ``@H``, ``@xK`` x ``chosen`` (the rule's H), else ``chosen``."""
+    _base, h = split_row(row)
+    if h is None:
+        return chosen
+    if h.startswith("x"):
+        return max(2, round(float(h[1:]) * chosen))
+    return int(h)
 _VARIANTS = {  # row name: (registry name, fixed keyword arguments)
     "bytegrad_flat": ("bytegrad", {"hierarchical": False}),
     "decentralized": ("decentralized", {"peer_selection_mode": "all"}),
@@ -43,6 +77,10 @@ _VARIANTS = {  # row name: (registry name, fixed keyword arguments)
     "topk_1pct": ("topk", {"density": 0.01}),
     "topk_1pct_u4": ("topk", {"density": 0.01}),
     "low_rank": ("low_rank", {"rank": 2}),         # as ddp_powersgd's default rank
+    # DiLoCo with its outer gradient min-max quantised (8- or 4-bit) with error feedback, as
+    # INTELLECT-1 (int8) and Streaming DiLoCo (4-bit) send it: opt-in rows
+    "diloco_u8": ("diloco", {}),
+    "diloco_u4": ("diloco", {}),
 }
 
 
@@ -60,8 +98,11 @@ def default_rows(procs_per_host: int) -> list[str]:
     return [r for r in DEFAULT_ROWS if procs_per_host > 1 or r != "bytegrad_flat"]
 
 
-def bagua_spec(row: str, procs_per_host: int, *, warmup: int = 2) -> tuple[str, dict]:
-    """``(registry name, kwargs)`` of a bagua row (``warmup``: the job's warm-up steps)."""
+def bagua_spec(row: str, procs_per_host: int, *, warmup: int = 2,
+               world: int = 1) -> tuple[str, dict]:
+    """``(registry name, kwargs)`` of a bagua row (``warmup``: the job's warm-up steps;
+    ``world``: the ranks, whose count a compressed allreduce's chunks must divide)."""
+    row = split_row(row)[0]
     name, kwargs = _VARIANTS.get(row, (row, {}))
     kwargs = dict(kwargs)
     if row == "low_rank":
@@ -70,6 +111,11 @@ def bagua_spec(row: str, procs_per_host: int, *, warmup: int = 2) -> tuple[str, 
         from bagua_comm.compression import MinMaxUInt4, MinMaxUInt8
 
         kwargs["compressor"] = MinMaxUInt4(1) if row.endswith("_u4") else MinMaxUInt8(1)
+    if row.startswith("diloco_u"):
+        from bagua_comm.compression import MinMaxUInt4, MinMaxUInt8
+
+        kwargs["compressor"] = (MinMaxUInt4 if row == "diloco_u4" else MinMaxUInt8)(
+            world, error_feedback=True)
     if name in HIERARCHICAL and "hierarchical" not in kwargs:
         kwargs["hierarchical"] = procs_per_host > 1
     return name, kwargs
@@ -103,8 +149,9 @@ def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2, warmup: 
         return f"every {async_interval_ms:g}ms"
     if row == "ft_diloco":
         return f"torchft, H={sync_every}" if sync_every else "torchft"
-    if row in SYNC_ROWS and sync_every:
-        return f"H={sync_every}"
+    if split_row(row)[0] in SYNC_ROWS and sync_every:
+        bits = {"diloco_u8": ", 8-bit EF", "diloco_u4": ", 4-bit EF"}.get(split_row(row)[0], "")
+        return f"H={sync_every}{bits}"
     if row.startswith("topk"):
         density = _VARIANTS[row][1]["density"]
         return (f"{density:.1%}, {4 if row.endswith('_u4') else 8}-bit values, EF, "

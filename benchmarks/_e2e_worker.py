@@ -39,7 +39,9 @@ from _e2e_rows import (
     bagua_spec,
     build_torch,
     powersgd_start,
+    split_row,
     sync_every_for,
+    sync_every_of_row,
 )
 
 
@@ -73,11 +75,24 @@ def _build(name: str, model, args, harness):
         import bagua_algos
     except ImportError as err:
         raise Unavailable(f"bagua_algos is not installed ({err})") from err
+    if name == "auto":     # the automatic choice itself: measure the network, pick, train
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+        t0 = time.perf_counter()
+        # recommend() with the step's computation time (the harness measured it, a user
+        # times a step): then communicating rarely (DiLoCo) is a candidate too
+        rec = bagua_algos.recommend(model, compute_s=args.row_compute_s)
+        wrapped = bagua_algos.with_bagua(model, [opt], rec.algorithm,
+                                         bucket_size=rec.bucket_size)
+        args.auto_choice = {"algorithm": wrapped.algorithm.name, "kwargs": rec.kwargs,
+                            "bucket_size": wrapped.bucket_size,
+                            "setup_s": round(time.perf_counter() - t0, 3)}
+        return wrapped, opt
     missing = [n for n in ("Algorithm", "with_bagua") if not hasattr(bagua_algos, n)]
     if missing:
         raise Unavailable(f"bagua_algos {bagua_algos.__version__} has no {', '.join(missing)} "
                           f"yet")
-    algo_name, kwargs = bagua_spec(name, args.procs_per_host, warmup=args.warmup)
+    algo_name, kwargs = bagua_spec(name, args.procs_per_host, warmup=args.warmup,
+                                   world=dist.get_world_size())
     if algo_name == "qadam":
         if not hasattr(bagua_algos, "QAdamOptimizer"):
             raise Unavailable("bagua_algos has no QAdamOptimizer yet")
@@ -200,13 +215,18 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
             budget_s: float | None) -> dict:
     model = make_model(args.size, seed=args.seed)
     compute_s = _compute_time(copy.deepcopy(model), train)
-    if name in SYNC_ROWS:
+    if split_row(name)[0] in SYNC_ROWS:
         if name == "ft_diloco" and "diloco" in args.sync_every_of:
             args.chosen_sync_every = args.sync_every_of["diloco"]   # the peer: the same H
-        else:
-            args.chosen_sync_every = _choose_sync_every(args, compute_s, budget_s, harness)
+        else:   # the rule's H once per job (a sweep row scales it, or fixes its own)
+            if args.rule_sync_every is None:
+                args.rule_sync_every = _choose_sync_every(args, compute_s, budget_s, harness)
+            args.chosen_sync_every = sync_every_of_row(name, args.rule_sync_every)
         args.sync_every_of[name] = args.chosen_sync_every
     args.row_close = None
+    slowest = torch.tensor([compute_s], dtype=torch.float64)   # the same on every rank
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=harness)
+    args.row_compute_s = float(slowest)
     wrapped, opt = _build(name, model, args, harness)
 
     def step(x, y) -> float:
@@ -320,7 +340,8 @@ def _combine(name: str, recs: list[dict], args, params: int, world: int) -> dict
         "sync_interval_ms": args.async_interval_ms if name == "async" else None,
         "powersgd_rank": args.powersgd_rank if name == "ddp_powersgd" else None,
         "warmup": args.warmup,
-        "sync_every": args.chosen_sync_every if name in SYNC_ROWS else None,
+        "sync_every": args.chosen_sync_every if split_row(name)[0] in SYNC_ROWS else None,
+        "auto_choice": args.auto_choice if name == "auto" else None,
         "loss": sum(r["eval_loss"] for r in recs) / len(recs),
         "train_loss": sum(c[1] for c in curve[max(0, args.steps - 5):args.steps]) / min(
             5, args.steps),
@@ -361,6 +382,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     args.ddp_step_s, args.chosen_sync_every, args.sync_every_of = 0.0, None, {}
+    args.rule_sync_every = None
+    args.auto_choice = None
     torch.set_num_threads(1)
     try:
         import bagua_comm as bc

@@ -45,7 +45,7 @@ from _e2e_report import (  # noqa: E402
     table,
     verdict,
 )
-from _e2e_rows import default_rows  # noqa: E402
+from _e2e_rows import SYNC_SWEEP, default_rows, split_row  # noqa: E402
 
 WORKER = str(HERE / "_e2e_worker.py")
 QUICK = {"bandwidths": "100", "size": "small", "steps": 6, "wall_seconds": 4.0, "hosts": 2,
@@ -123,6 +123,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sync-every", type=int, default=0,
                     help="local_sgd/diloco rows' sync_every (default 0: chosen for the "
                          "workload from DDP's step time, see _e2e_rows.sync_every_for)")
+    ap.add_argument("--sync-sweep",
+                    help="extra diloco rows around the rule's H: comma list of xK (K times the "
+                         "rule's H) or H; default (full run) " + ",".join(SYNC_SWEEP) +
+                         ", none with --quick or --sync-every; 'none' for none")
     ap.add_argument("--budget-factor", type=float,
                     help="every row trains for max(T, this x DDP's time for N steps); "
                          "default 1.5, --quick 1.25")
@@ -150,6 +154,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     if "ddp" not in args.algorithms:
         args.algorithms.insert(0, "ddp")  # every ratio is against DDP from the same run
+    sweep = args.sync_sweep
+    if sweep is None:
+        sweep = "" if args.quick or args.sync_every else ",".join(SYNC_SWEEP)
+    sweep = [h.strip() for h in sweep.split(",") if h.strip() and h.strip() != "none"]
+    if sweep and "diloco" in args.algorithms:
+        at = args.algorithms.index("diloco") + 1
+        args.algorithms[at:at] = [f"diloco@{h}" for h in sweep
+                                  if f"diloco@{h}" not in args.algorithms]
+    for row in args.algorithms:
+        try:
+            split_row(row)
+        except ValueError as err:
+            ap.error(str(err))
     if args.hosts < 1 or args.procs_per_host < 1 or args.hosts * args.procs_per_host < 2:
         ap.error(f"--hosts x --procs-per-host must be at least 2 (a distributed job), got "
                  f"{args.hosts} x {args.procs_per_host}")

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Restart-free fault tolerance: lose a host, keep training, take it back (bagua_algos.ft).
 
-Three hosts (processes on loopback, one replica each; a torchft Lighthouse in this process)
-train with ByteGrad (error feedback) under ``bagua_algos.ft.FaultTolerant``.  Once every host
+Three emulated hosts (the testbed's network namespaces, as root: one replica each, the torchft
+Lighthouse on host 0, links shaped to ``--mbit``; elsewhere, or with ``--no-testbed``,
+processes on loopback with the Lighthouse in this process) train with ByteGrad (error feedback) under ``bagua_algos.ft.FaultTolerant``.  Once every host
 has committed ``--kill-after`` steps, host 2 is killed with SIGKILL; the survivors go on at 2.
 Host 2 is started again, heals from a survivor at a step boundary and all go on at 3.  The
 same story then runs with torchft's own DDP (``torchft.DistributedDataParallel`` +
@@ -29,6 +30,7 @@ import argparse
 import itertools
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -79,25 +81,89 @@ def _same(a, b) -> bool:
                for k, x in fa.items())
 
 
-def _spawn(worker: Path, lighthouse: str, out: Path, tag: str, host: int, step_sleep: float,
-           extra: list[str]) -> subprocess.Popen:
+_LIGHTHOUSE = ("import sys, time\n"
+               "from bagua_algos.ft import lighthouse\n"
+               "lh = lighthouse(heartbeat_timeout_ms=int(sys.argv[1]), join_timeout_ms=1000)\n"
+               "print(lh.address(), flush=True)\n"
+               "time.sleep(1e9)\n")
+
+
+class Hosts:
+    """Where replicas and the Lighthouse run: the testbed's emulated hosts (root, network
+    namespaces, each link shaped to ``mbit``), or plain processes on loopback.
+
+    On the testbed each process also gets its own UTS namespace whose hostname is its host's
+    address: torchft advertises its stores and its state-transfer server by
+    ``socket.gethostname()``, which in a namespace would name the machine, not the host."""
+
+    def __init__(self, use_testbed: bool, mbit: float | None):
+        self.tb, self.why = None, "--no-testbed"
+        if use_testbed:
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+            from testbed import Testbed, testbed_available
+
+            ok, self.why = testbed_available()
+            if ok and os.geteuid() == 0:
+                self.tb = Testbed(n_hosts=HOSTS, bandwidth_mbit=mbit, name="ft")
+            elif ok:
+                self.why = "not root (the testbed's user namespaces cannot SIGKILL a host)"
+
+    @property
+    def label(self) -> str:
+        if self.tb is None:
+            return f"loopback processes ({self.why})"
+        bw = f"{self.tb.bandwidth_mbit:g} Mbit/s" if self.tb.bandwidth_mbit else "unshaped"
+        return f"testbed: {HOSTS} emulated hosts, {bw} links"
+
+    def popen(self, host: int, cmd: list[str], **kw) -> subprocess.Popen:
+        if self.tb is None:
+            return subprocess.Popen(cmd, **kw)
+        addr = self.tb.hosts[host].addr
+        return self.tb.popen(host, ["unshare", "--uts", "sh", "-c",
+                                    f'hostname {addr} && exec "$0" "$@"', *cmd], **kw)
+
+    def lighthouse(self, heartbeat_ms: int):
+        """``(address, stop)`` of a Lighthouse: in this process, or on host 0."""
+        if self.tb is None:
+            from bagua_algos.ft import lighthouse
+
+            lh = lighthouse(heartbeat_timeout_ms=heartbeat_ms, join_timeout_ms=1000)
+            return lh.address(), lh.shutdown
+        p = self.popen(0, [sys.executable, "-c", _LIGHTHOUSE, str(heartbeat_ms)], env=_env(),
+                       stdout=subprocess.PIPE, text=True)
+        ready, _, _ = select.select([p.stdout], [], [], 60)
+        line = p.stdout.readline().strip() if ready else ""
+        if not line.startswith("http"):
+            p.kill()
+            raise RuntimeError(f"the Lighthouse on host 0 did not start: {line!r}")
+        return line, p.kill
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _spawn(hosts: Hosts, worker: Path, lighthouse: str, out: Path, tag: str, host: int,
+           step_sleep: float, extra: list[str]) -> subprocess.Popen:
     """One host's replica process, logging to ``out/<tag>.log``, started and stopped through
     ``out``'s ready/go/stop files."""
     (out / tag).mkdir(exist_ok=True)
     cmd = [sys.executable, str(worker), "--lighthouse", lighthouse, "--replica-id", f"host{host}",
            "--tag", tag, "--sync-dir", str(out), "--log", str(out / f"{tag}.log"),
            "--step-sleep", str(step_sleep), "--batch", "8", *extra]
-    return subprocess.Popen(cmd, env=_env(), stdout=open(out / f"{tag}.out", "w"),
-                            stderr=subprocess.STDOUT)
+    return hosts.popen(host, cmd, env=_env(), stdout=open(out / f"{tag}.out", "w"),
+                       stderr=subprocess.STDOUT)
 
 
-def scenario(system: str, lighthouse: str, out: Path, args) -> dict:
+def scenario(hosts: Hosts, system: str, lighthouse: str, out: Path, args) -> dict:
+    shutil.rmtree(out, ignore_errors=True)      # an old run's stop/ready files would end this one
     out.mkdir(parents=True, exist_ok=True)
     worker = OURS if system == "bagua" else PEER
-    extra = (["--algo", "bytegrad", "--samples", "4096"] if system == "bagua" else [])
+    extra = (["--algo", "bytegrad", "--samples", "4096", "--timeout", str(args.timeout)]
+             if system == "bagua" else [])
 
     def spawn(tag, host):
-        return _spawn(worker, lighthouse, out, tag, host, args.step_sleep,
+        return _spawn(hosts, worker, lighthouse, out, tag, host, args.step_sleep,
                       ["--dump", str(out / tag), "--steps", "100000", *extra])
 
     procs = {f"h{i}": spawn(f"h{i}", i) for i in range(HOSTS)}
@@ -110,6 +176,8 @@ def scenario(system: str, lighthouse: str, out: Path, args) -> dict:
         _wait(lambda: all(committed(f"h{i}") >= args.kill_after for i in range(HOSTS)), 180,
               "the first steps")
         t_kill = time.time()
+        if args.fault == "link":     # the host vanishes: no FIN, no RST, silence
+            hosts.tb.set_link(LOST, up=False)
         procs[f"h{LOST}"].send_signal(signal.SIGKILL)
         procs[f"h{LOST}"].wait()
         survivors = [f"h{i}" for i in range(HOSTS) if i != LOST]
@@ -117,6 +185,8 @@ def scenario(system: str, lighthouse: str, out: Path, args) -> dict:
         _wait(lambda: all(committed(s) >= base[s] + args.alone for s in survivors), 120,
               "training at 2")
         t_back = time.time()
+        if args.fault == "link":
+            hosts.tb.set_link(LOST, up=True)
         procs["back"] = spawn("back", LOST)
         _wait(lambda: (out / "ready-back").exists(), 180, "the return's start")
         (out / "go-back").touch()
@@ -155,15 +225,16 @@ def scenario(system: str, lighthouse: str, out: Path, args) -> dict:
             "series": series}
 
 
-def soak(lighthouse: str, out: Path, args) -> dict:
+def soak(hosts: Hosts, lighthouse: str, out: Path, args) -> dict:
     """No fault at all for ``args.soak`` seconds: every replica that leaves a quorum, every
     step not committed, is a false drop (the heartbeat judged a live host dead)."""
     shutil.rmtree(out, ignore_errors=True)      # an old run's stop file would end this one
     out.mkdir(parents=True, exist_ok=True)
 
     def spawn(tag, host):
-        return _spawn(OURS, lighthouse, out, tag, host, args.step_sleep,
-                      ["--steps", "1000000", "--algo", "bytegrad", "--samples", "1000000"])
+        return _spawn(hosts, OURS, lighthouse, out, tag, host, args.step_sleep,
+                      ["--steps", "1000000", "--algo", "bytegrad", "--samples", "1000000",
+                       "--timeout", str(args.timeout)])
 
     procs = [spawn(f"h{i}", i) for i in range(HOSTS)]
     loads = []
@@ -234,6 +305,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/ft")
     ap.add_argument("--heartbeat-ms", type=int, default=1000)
     ap.add_argument("--step-sleep", type=float, default=0.02)
+    ap.add_argument("--mbit", type=float, default=1000.0,
+                    help="each emulated host's link, Mbit/s (0: unshaped); testbed only")
+    ap.add_argument("--fault", choices=("kill", "link"), default="kill",
+                    help="kill: SIGKILL host 2's replica (its kernel still closes the "
+                         "connections); link: also take host 2's link down first, so its "
+                         "peers hear nothing (a machine that loses power); testbed only")
+    ap.add_argument("--timeout", type=float, default=10.0,
+                    help="bagua's FaultTolerant(timeout=) in seconds: how long a collective "
+                         "waits for a silent peer (it bounds the stall with --fault link)")
+    ap.add_argument("--no-testbed", action="store_true",
+                    help="processes on loopback instead of the testbed's emulated hosts")
     ap.add_argument("--soak", type=float, default=0.0,
                     help="no fault: run 3 hosts this many seconds and count false drops "
                          "(quorums without a live host, uncommitted steps) under the load "
@@ -241,26 +323,35 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.soak < 0:
         ap.error("--soak must be >= 0 seconds")
+    if args.fault == "link" and args.no_testbed:
+        ap.error("--fault link needs the testbed (a host's link to take down)")
     args.kill_after, args.alone, args.after = (10, 10, 10) if args.quick else (40, 40, 40)
-    from bagua_algos.ft import lighthouse
-
     out = Path(args.out)
-    if args.soak:
-        lh = lighthouse(heartbeat_timeout_ms=args.heartbeat_ms, join_timeout_ms=1000)
-        result = soak(lh.address(), out / "soak", args)
-        lh.shutdown()
-        print(json.dumps(result, indent=1))
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(result))
-        return 0
-    load = Path("/proc/loadavg").read_text().split()[0]
-    ours_lh = lighthouse(heartbeat_timeout_ms=args.heartbeat_ms, join_timeout_ms=1000)
-    result = scenario("bagua", ours_lh.address(), out / "bagua", args)
-    ours_lh.shutdown()
-    peer_lh = lighthouse(heartbeat_timeout_ms=5000, join_timeout_ms=1000)   # torchft's default
-    result["peer"] = scenario("torchft_ddp", peer_lh.address(), out / "peer", args)
-    peer_lh.shutdown()
+    hosts = Hosts(not args.no_testbed, args.mbit or None)
+    print(f"ft: {hosts.label}", flush=True)
+    try:
+        if args.soak:
+            address, stop = hosts.lighthouse(args.heartbeat_ms)
+            result = soak(hosts, address, out / "soak", args)
+            stop()
+            result["hosts"] = hosts.label
+            print(json.dumps(result, indent=1))
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps(result))
+            return 0
+        load = Path("/proc/loadavg").read_text().split()[0]
+        address, stop = hosts.lighthouse(args.heartbeat_ms)
+        result = scenario(hosts, "bagua", address, out / "bagua", args)
+        stop()
+        address, stop = hosts.lighthouse(5000)     # torchft's default heartbeat timeout
+        result["peer"] = scenario(hosts, "torchft_ddp", address, out / "peer", args)
+        stop()
+    finally:
+        hosts.close()
+    result["hosts"] = hosts.label
+    result["fault"] = args.fault
+    result["timeout_s"] = args.timeout
     result["loadavg"] = [load, Path("/proc/loadavg").read_text().split()[0]]
     result["heartbeat_timeout_ms"] = {"bagua": args.heartbeat_ms, "peer": 5000}
     plot(result, out / "ft.png")

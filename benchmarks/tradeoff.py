@@ -2,7 +2,7 @@
 
     python benchmarks/tradeoff.py                       # 4 hosts, 10/100/1000 Mbit/s x 0/5/50 ms
     python benchmarks/tradeoff.py --quick               # 2 hosts, 100 Mbit/s x 0/5 ms, tiny steps
-    python benchmarks/tradeoff.py --from-json out/e2e.json   # a map from an e2e.py run
+    python benchmarks/tradeoff.py --from-json out/e2e.json [more.json]  # from e2e.py runs
 
 Runs benchmarks/e2e.py over the grid (every row: DDP, its hooks, each bagua algorithm and
 mode), then per cell names the winner by time to DDP's loss, its margin (the runner-up's time
@@ -39,6 +39,30 @@ def auto_pick(bw, lat, world: int, model_bytes: float, compute_s: float) -> str 
     return AUTO_ROW.get(name, name)
 
 
+def _steps_to(run: dict, ddp_steps: int | None) -> float | None:
+    target = run.get("ddp_loss_target")
+    if not ddp_steps or target is None:
+        return None
+    step = next((s for s, _t, loss in run.get("eval_curve") or [] if loss <= target), None)
+    return None if step is None else round(step / ddp_steps, 3)
+
+
+def _auto_time(runs, times, c, ddp, params) -> tuple[str | None, float | None]:
+    """What the automatic choice picks in cell ``c`` and its time to DDP's loss: the
+    ``auto`` row's own run where the cell has one (with_bagua(..., "auto"), its measurement
+    and bucket size included), else the row of the rule's pick for the cell's network."""
+    row = next((r for r in runs if r["algorithm"] == "auto" and r["status"] == "ok"), None)
+    if row is not None:
+        pick = (row.get("auto_choice") or {}).get("algorithm")
+        return f"auto ({pick})", times.get("auto")
+    pick = auto_pick(c[0], c[1], ddp["world_size"], 4 * params, ddp["compute_s"])
+    # GradientAllReduce is DDP's maths bit for bit: DDP's time stands in where the cell has
+    # no row of its own
+    if pick not in times and pick == "gradient_allreduce":
+        return pick, times.get("ddp")
+    return pick, times.get(pick)
+
+
 def build_map(report: dict) -> list[dict]:
     """One entry per cell of an e2e report: every algorithm's time, the winner and margins."""
     out = []
@@ -46,21 +70,24 @@ def build_map(report: dict) -> list[dict]:
     for c in cells(report["runs"]):
         runs = [r for r in report["runs"] if cell(r) == c]
         times = {r["algorithm"]: r.get("time_to_ddp_loss_s") for r in runs}
-        reached = sorted((t, a) for a, t in times.items() if t is not None)
+        ddp_steps = next((r.get("steps") for r in runs if r["algorithm"] == "ddp"), None)
+        # the "auto" row (with_bagua(..., "auto") run as is) is the choice, not a contender
+        reached = sorted((t, a) for a, t in times.items() if t is not None and a != "auto")
         ddp = next((r for r in runs if r["algorithm"] == "ddp" and r["status"] == "ok"), None)
         entry = {"bandwidth_mbit": c[0], "latency_ms": c[1], "label": cell_label(c),
                  "times_s": times, "winner": None, "margin": None, "winner_vs_ddp": None,
                  "auto": None, "auto_vs_best": None,
-                 "delay_line": next((r.get("delay_line") for r in runs), None)}
+                 "delay_line": next((r.get("delay_line") for r in runs), None),
+                 # steps each row took to DDP's loss / DDP's N: what recommend's
+                 # STEPS_FACTOR estimates (None: never reached it)
+                 "steps_factor": {r["algorithm"]: _steps_to(r, ddp_steps) for r in runs}}
         if reached:
             entry["winner"] = reached[0][1]
             entry["margin"] = reached[1][0] / reached[0][0] if len(reached) > 1 else None
             if times.get("ddp"):
                 entry["winner_vs_ddp"] = times["ddp"] / reached[0][0]
         if ddp is not None:
-            pick = auto_pick(c[0], c[1], ddp["world_size"], 4 * params, ddp["compute_s"])
-            entry["auto"] = pick
-            t = times.get(pick)
+            entry["auto"], t = _auto_time(runs, times, c, ddp, params)
             entry["auto_vs_best"] = t / reached[0][0] if t and reached else None
         out.append(entry)
     return out
@@ -101,7 +128,7 @@ def heatmap(entries: list[dict], path: Path, title: str = "") -> Path | None:
     ax.set_yticks(range(len(lats)), [f"{lat:g} ms" for lat in lats])
     ax.set_xlabel("link bandwidth per host")
     ax.set_ylabel("one-way latency")
-    ax.set_title(title or "first to DDP's loss (margin: runner-up's time / winner's)",
+    ax.set_title(title or "first to DDP's loss\n(margin: runner-up's time / winner's)",
                  fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,12 +140,14 @@ def heatmap(entries: list[dict], path: Path, title: str = "") -> Path | None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"a tiny grid: {QUICK}")
-    ap.add_argument("--from-json", type=Path, help="map an existing e2e.py JSON; run nothing")
+    ap.add_argument("--from-json", type=Path, nargs="+",
+                    help="map existing e2e.py JSONs (their cells together); run nothing")
     ap.add_argument("--json", type=Path, default=Path("out/tradeoff/tradeoff.json"))
     ap.add_argument("--plot", type=Path, default=Path("out/tradeoff/tradeoff.png"))
     args, e2e_args = ap.parse_known_args(argv)
     if args.from_json:
-        report = json.loads(args.from_json.read_text())
+        reports = [json.loads(p.read_text()) for p in args.from_json]
+        report = {**reports[0], "runs": [r for rep in reports for r in rep["runs"]]}
     else:
         import e2e
 

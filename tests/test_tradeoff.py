@@ -41,7 +41,7 @@ def test_each_cell_names_its_winner_margin_and_the_automatic_choice(tmp_path):
     assert b["times_s"] == {"ddp": 30.0, "bytegrad": 25.0, "decentralized_shift_one": 12.0}
     # The automatic choice, scored by the time of the row it would run.
     assert a["auto"] in ("bytegrad", "gradient_allreduce", "decentralized_shift_one",
-                         "low_precision_decentralized")
+                         "low_precision_decentralized", "diloco")
     if b["auto"] in b["times_s"]:
         assert b["auto_vs_best"] == pytest.approx(b["times_s"][b["auto"]] / 12.0)
     src = tmp_path / "e2e.json"
@@ -92,3 +92,26 @@ def test_quick_map_on_the_testbed_measures_latency_and_names_a_winner_per_cell(t
     # 5 ms each way costs DDP at least one round trip per step more than no delay.
     ddp = {x["latency_ms"]: x["step_s"] for x in e2e["runs"] if x["algorithm"] == "ddp"}
     assert ddp[5] > ddp[0] + 0.010, ddp
+
+
+def test_the_auto_row_scores_the_choice_and_never_wins_a_cell(tmp_path):
+    auto = {**_run(100, 0, "auto", 6.0), "auto_choice": {"algorithm": "bytegrad"}}
+    fast = {**_run(100, 0, "auto", 4.0), "auto_choice": {"algorithm": "bytegrad"}}
+    for row, want in ((auto, 6.0 / 5.0), (fast, 4.0 / 5.0)):
+        [cell] = [e for e in build_map({**REPORT, "runs": [*REPORT["runs"][:3], row]})]
+        assert cell["winner"] == "bytegrad"            # the choice is not a contender
+        assert cell["auto"] == "auto (bytegrad)" and cell["auto_vs_best"] == pytest.approx(want)
+    # Steps to DDP's loss / DDP's N, from each row's evaluation curve.
+    runs = [{**_run(100, 0, "ddp", 10.0), "steps": 10, "ddp_loss_target": 2.0,
+             "eval_curve": [[5, 1.0, 2.5], [10, 2.0, 2.0]]},
+            {**_run(100, 0, "diloco", 3.0), "ddp_loss_target": 2.0,
+             "eval_curve": [[10, 1.0, 2.4], [19, 3.0, 1.9]]}]
+    [cell] = build_map({**REPORT, "runs": runs})
+    assert cell["steps_factor"] == {"ddp": 1.0, "diloco": 1.9}
+    # Two e2e JSONs (say, one per bandwidth column) make one map.
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({**REPORT, "runs": REPORT["runs"][:6]}))
+    b.write_text(json.dumps({**REPORT, "runs": REPORT["runs"][6:]}))
+    assert main(["--from-json", str(a), str(b), "--json", str(tmp_path / "t.json"),
+                 "--plot", str(tmp_path / "t.png")]) == 0
+    assert len(json.loads((tmp_path / "t.json").read_text())["cells"]) == 3

@@ -6,6 +6,7 @@ from _common import batch, loss_fn, make_model, params
 from _diloco_ref import flat, inner_optimizer, simulate
 from test_decentralized import _run, reference_dpsgd
 from test_gradient_allreduce import check_equals_full_batch, train_allreduce
+from test_one_collective import check_hierarchical, hierarchical_run
 
 import bagua_comm as bc
 from bagua_algos import (
@@ -36,7 +37,8 @@ def _qadam_hierarchical():
 
 
 def _four_ranks():
-    out = {"gradient_allreduce": train_allreduce(GradientAllReduce(hierarchical=True))}
+    out = {"gradient_allreduce": train_allreduce(GradientAllReduce(hierarchical=True)),
+           "gradient_allreduce_calls": hierarchical_run()}
     for name, algo, mode in (
             ("decentralized_all", Decentralized(hierarchical=True), "all"),
             ("shift_one_flat", Decentralized(hierarchical=False, peer_selection_mode="shift_one"),
@@ -88,6 +90,10 @@ def four_ranks():
 
 def test_hierarchical_allreduce_equals_full_batch(four_ranks):
     check_equals_full_batch([r["gradient_allreduce"] for r in four_ranks], 4)
+
+
+def test_hierarchical_allreduce_one_collective_chain_per_bucket_and_none_for_flags(four_ranks):
+    check_hierarchical([r["gradient_allreduce_calls"] for r in four_ranks])
 
 
 @pytest.mark.parametrize("case", ["decentralized_all", "shift_one_flat"])

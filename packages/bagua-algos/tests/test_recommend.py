@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -107,3 +108,80 @@ def test_measurement_time_limit_is_checked():
     with pytest.raises(ValueError, match="time_limit_s"):
         measure_network(time_limit_s=0)
     assert os.environ.get("BAGUA_ALGORITHM") in (None, "", "auto")
+
+
+# -- bucket size under latency ---------------------------------------------------------------
+def test_bucket_size_grows_with_latency_only_where_each_bucket_pays_it():
+    from bagua_algos._recommend import bucket_size_for
+
+    big = 400e6
+    # ByteGrad, 4 nodes, 100 Mbit/s, 50 ms: 4 one-way latencies per bucket (0.2 s) must be at
+    # most a quarter of the bucket's transfer: 4 x 0.2 s x 12.5 MB/s = 10 MB on each link,
+    # which is a ring's 2(n-1)/n = 1.5 of the 8-bit payload, a quarter of float32's bytes.
+    assert bucket_size_for("bytegrad", 100, 50, 4, big) == int(10e6 / 1.5 * 4)
+    # ... and never more than the model (one bucket) nor 256 MiB.
+    assert bucket_size_for("bytegrad", 100, 50, 4, 13.2e6) == int(13.2e6)
+    assert bucket_size_for("bytegrad", 10_000, 50, 4, 4e9) == 256 * 2**20
+    # The ring allreduce waits 2(n-1) latencies per bucket: at 1 Gbit/s, 4 x 6 x 0.05 s x
+    # 125 MB/s / 1.5; at 100 Mbit/s that is 10 MB, under the 10 MiB default: None.
+    assert bucket_size_for("gradient_allreduce", 1000, 50, 4, big) == int(
+        4 * 6 * 0.05 * 125e6 / 1.5)
+    assert bucket_size_for("gradient_allreduce", 100, 50, 4, big) is None
+    # Where the default (10 MiB) is enough, or latency is nil, or nothing is per bucket: None.
+    assert bucket_size_for("bytegrad", 100, 5, 4, big) is None
+    assert bucket_size_for("bytegrad", 100, 0, 4, big) is None
+    assert bucket_size_for("decentralized", 100, 50, 4, big) is None
+    assert bucket_size_for("bytegrad", 100, 50, 1, big) is None
+
+
+def _auto_far(bucket_size):
+    import bagua_algos._recommend as rec
+
+    world = bc.get_world_size()
+    # The network the ranks would measure on a far, slow link (no latency on loopback).
+    rec.measure_network = lambda group, time_limit_s: NetworkMeasurement(
+        100.0, 50.0, world, world, 0.0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(16)])  # 16.8 MB
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    m = with_bagua(model, [opt], "auto", bucket_size=bucket_size)
+    return {"algo": m.algorithm.name, "bucket": m.bucket_size, "buckets": len(m.buckets)}
+
+
+@pytest.mark.timeout(300)
+def test_auto_takes_the_recommended_bucket_size_unless_one_is_given():
+    from bagua_algos._recommend import bucket_size_for
+
+    nbytes = 16 * (512 * 512 + 512) * 4
+    a, b = run_ranks(_auto_far, 2, args=(None,), timeout=200)
+    assert a == b
+    want = bucket_size_for(a["algo"], 100.0, 50.0, 2, nbytes)
+    # Everything after the first bucket (capped at 1 MiB, as DDP's, to start early) in one.
+    assert want is not None and a["bucket"] == want and a["buckets"] == 2
+    given = run_ranks(_auto_far, 2, args=(2**20,), timeout=200)
+    assert given[0]["bucket"] == 2**20 and given[0]["buckets"] > 2
+
+
+def test_negligible_communication_keeps_the_exact_allreduce():
+    # 2 ranks 1 ms apart, a 10 kB model: the allreduce's two latency rounds (2 ms) lose to
+    # one exchange (1 ms x 1.25) by more than the 1.5 tie, but 2 ms a step is not worth
+    # changing the maths for.
+    name, _, _, scores = choose(10_000, 1.0, 2, 1e4)
+    assert name == "gradient_allreduce"
+    assert scores["decentralized"] < scores["gradient_allreduce"]
+
+
+def test_with_the_computation_known_communicating_rarely_is_a_candidate():
+    from bagua_algos._recommend import STEPS_FACTOR, diloco_sync_every
+
+    # The map's 10 Mbit/s cell: 4 hosts, a 5.8 MB model, 0.29 s of compute per step.
+    name, kwargs, why, scores = choose(10, 0, 4, 5.76e6, compute_s=0.29)
+    ring = 1.5 * 5.76e6 / (10e6 / 8)
+    h = diloco_sync_every(ring, 0.29)
+    assert name == "diloco" and kwargs["sync_every"] == h == math.ceil(ring / 0.029)
+    assert scores["diloco"] == pytest.approx((0.29 + ring / h) * STEPS_FACTOR["diloco"])
+    assert "every" in why
+    # Unknown computation: never DiLoCo (its cost is meaningless without it).
+    assert "diloco" not in choose(10, 0, 4, 5.76e6)[3]
+    # A fast network: the exact allreduce, whatever the computation.
+    assert choose(10_000, 0.05, 4, 5.76e6, compute_s=0.29)[0] == "gradient_allreduce"
+    assert diloco_sync_every(0.0, 1.0) == 8 and diloco_sync_every(1e6, 1e-3) == 512

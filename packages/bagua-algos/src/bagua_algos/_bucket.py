@@ -36,7 +36,10 @@ class BaguaBucket:
     """Parameters of one dtype and device, with flat ``grad`` (and ``weight``) buffers.
 
     ``grad`` (and ``weight``) are 1-D buffers of ``padded_numel`` elements (a multiple of the
-    algorithm's alignment; the padding stays zero).  With ``flatten=True`` every parameter's
+    algorithm's alignment; the padding stays zero).  With ``flag_slots`` (the module gives
+    them to the last bucket) ``grad`` is the front of ``grad_and_flags``, whose tail
+    ``flags`` holds that many "got a gradient" flags; otherwise ``grad_and_flags`` is
+    ``grad`` and ``flags`` None.  With ``flatten=True`` every parameter's
     ``.grad`` (and, with ``flatten_weights=True``, its data) is a view of the buffer, so
     communication reads and writes them in place; otherwise values are staged through the
     buffer by :meth:`gather_grads`/:meth:`scatter_grads` (and the weight counterparts).
@@ -44,7 +47,7 @@ class BaguaBucket:
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], *, alignment: int = 1,
                  flatten: bool = True, flatten_weights: bool = False,
-                 names: list[str] | None = None):
+                 names: list[str] | None = None, flag_slots: int = 0):
         if not params:
             raise ValueError("a bucket needs at least one parameter")
         dtypes = {p.dtype for p in params}
@@ -65,17 +68,34 @@ class BaguaBucket:
         self.device = params[0].device
         self.flatten = flatten
         # gradient slots: zero tensors shaped like the parameters, flattened by bagua_comm
-        self._grads = self._zeros_bucket(alignment, "grad")
-        self.numel = self._grads.numel
-        self.padded_numel = self._grads.padded_numel
-        self.offsets = self._grads.offsets
-        self.grad = self._grads.buffer
-        self._grad_views = self._grads.tensors
+        grads = self._zeros_bucket(alignment, "grad")
+        self.numel = grads.numel
+        self.padded_numel = grads.padded_numel
+        self.offsets = grads.offsets
+        self.grad = grads.buffer
+        self._grad_views = grads.tensors
+        self.flags: torch.Tensor | None = None
+        self.grad_and_flags = self.grad
+        if flag_slots:
+            self._add_flag_slots(flag_slots)
         self.weight: torch.Tensor | None = None
         self._weight_views: list[torch.Tensor] = []
         self._alignment = alignment
         if flatten_weights:
             self._init_weights()
+
+    def _add_flag_slots(self, n: int) -> None:
+        """Move ``grad`` to the front of a buffer ``n`` elements longer: the tail,
+        :attr:`flags`, holds the module's per-tensor "got a gradient" flags, so that an
+        algorithm reducing :attr:`grad_and_flags` elementwise carries them in the step's own
+        collective.  No parameter's view and no algorithm state covers the tail."""
+        full = torch.zeros(self.padded_numel + n, dtype=self.dtype, device=self.device)
+        storage = full.untyped_storage()
+        for v, off in zip(self._grad_views, self.offsets):
+            v.set_(storage, off, v.shape, _contiguous_strides(v.shape))
+        self.grad = full[:self.padded_numel]
+        self.flags = full[self.padded_numel:]
+        self.grad_and_flags = full
 
     def _zeros_bucket(self, alignment: int, what: str) -> Bucket:
         """A flat zero buffer laid out like the parameters, with views shaped like them."""

@@ -29,6 +29,7 @@ the computation time is not given) go to the exact algorithm.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -42,10 +43,25 @@ log = logging.getLogger("bagua_algos.recommend")
 #: Extra steps each algorithm needs to reach the loss full-precision DDP reaches (x), from the
 #: trade-off map's runs: compression and gossip cost a little convergence.
 STEPS_FACTOR = {"gradient_allreduce": 1.0, "bytegrad": 1.05, "decentralized": 1.25,
-                "low_precision_decentralized": 1.4}
+                "low_precision_decentralized": 1.4,
+                # DiLoCo's local steps on a quarter of DDP's batch (4 ranks): 1.9x DDP's steps
+                # on the map's 10 Mbit/s cells (small model, N=10), 2.9x on 4 hosts at
+                # 100 Mbit/s (base, N=30)
+                "diloco": 2.5}
+
+
+def diloco_sync_every(comm_s: float, compute_s: float, overhead: float = 0.1) -> int:
+    """DiLoCo's ``sync_every`` for a step of ``compute_s`` whose full allreduce would take
+    ``comm_s``: one sync spread over H steps adds at most ``overhead`` of their compute
+    (benchmarks' rule, without their time budget), within [8, 512]."""
+    return int(min(512, max(8, math.ceil(comm_s / (overhead * max(compute_s, 1e-6))))))
 #: Scores within this ratio of the exact algorithm's count as a tie (it wins); wider when the
 #: step's computation is unknown (the steps factors then only weigh the communication).
 TIE, TIE_UNKNOWN_COMPUTE = 1.05, 1.5
+#: The exact allreduce's communication per step below which nothing is worth approximating,
+#: whatever the ratios (a fast, near network: loopback measured 2 ranks 0.2 ms apart, where
+#: the ratios alone preferred one exchange with one peer to the allreduce's two rounds).
+NEGLIGIBLE_S = 0.01
 _UINT8 = 4.0  # MinMaxUInt8 sends a quarter of float32's bytes
 #: Seconds per model byte to compress and decompress once (MinMaxUInt8 on one CPU core runs
 #: at about 1 GB/s each way); the compressed algorithms pay it twice per step.
@@ -66,7 +82,9 @@ class NetworkMeasurement:
 
 @dataclass
 class Recommendation:
-    """:func:`recommend`'s answer: the algorithm to use, and why."""
+    """:func:`recommend`'s answer: the algorithm to use, and why.  ``bucket_size``: the
+    bucket size (bytes) the network asks for (None: with_bagua's default will do), which
+    ``with_bagua(..., "auto")`` uses unless it is given one."""
 
     name: str
     kwargs: dict
@@ -74,6 +92,36 @@ class Recommendation:
     measurement: NetworkMeasurement | None
     reason: str
     scores: dict
+    bucket_size: int | None = None
+
+
+#: with_bagua's default bucket size (module.DEFAULT_BUCKET_SIZE) and the largest suggested
+_DEFAULT_BUCKET, _MAX_BUCKET = 10 * 1024 * 1024, 256 * 1024 * 1024
+#: One-way latencies each bucket's collective waits for, per algorithm whose communication
+#: is per gradient bucket: the ring allreduce's 2(n-1) steps; the compressed allreduce's two
+#: exchanges (scatter, then gather), each a receive notice and the data (measured on 4 hosts
+#: at 50 ms one way: 205 ms for a 4 KB compressed allreduce; 13 MB in 1 / 2 / 4 buckets took
+#: 683 / 899 / 1379 ms, about 230 ms per extra bucket).
+def _bucket_latencies(name: str, n: int) -> int | None:
+    return {"gradient_allreduce": 2 * (n - 1), "bytegrad": 4}.get(name)
+
+
+def bucket_size_for(name: str, bandwidth_mbit: float, latency_ms: float, nodes: int,
+                    model_bytes: float) -> int | None:
+    """A bucket size (bytes) large enough that each bucket's fixed latency cost stays under a
+    quarter of its transfer time, for the algorithms that communicate per gradient bucket;
+    None where with_bagua's default (10 MiB) already does (or the algorithm has no such
+    cost).  Under 50 ms one way at 100 Mbit/s this puts a 13 MB model in one ByteGrad bucket
+    (fewer buckets, less overlap with backward, but each one pays ~4 latencies)."""
+    phases = _bucket_latencies(name, nodes)
+    if not phases or nodes < 2 or latency_ms <= 0:
+        return None
+    bps = bandwidth_mbit * 1e6 / 8
+    wire = 4 * phases * latency_ms / 1e3 * bps          # bytes each link must carry per bucket
+    ring = 2 * (nodes - 1) / nodes
+    raw = wire / ring * (_UINT8 if name == "bytegrad" else 1.0)
+    size = int(min(max(raw, _DEFAULT_BUCKET), _MAX_BUCKET, max(model_bytes, _DEFAULT_BUCKET)))
+    return size if size > _DEFAULT_BUCKET else None
 
 
 def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_bytes: float, *,
@@ -82,6 +130,9 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
 
     ``bandwidth_mbit``/``latency_ms`` (one way) between nodes, ``model_bytes`` the gradient
     bytes per step, ``compute_s`` a step's computation (0: unknown, communication only).
+    With the computation known, DiLoCo (train locally, average every H steps) is a candidate
+    too: its cost only makes sense against it (``with_bagua(..., "auto")`` does not know it;
+    ``recommend(model, compute_s=...)`` does).
     Raises ``ValueError`` naming the argument for a non-positive bandwidth, a negative latency
     or compute time, or a world size below 1.
     """
@@ -108,11 +159,18 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
         "decentralized": lat + model_bytes / bps,
         "low_precision_decentralized": lat + 2 * model_bytes / _UINT8 / bps + codec,
     }
+    h = None
+    if compute_s > 0:    # communicating rarely pays only against a known computation time
+        h = diloco_sync_every(comm["gradient_allreduce"], compute_s)
+        comm["diloco"] = comm["gradient_allreduce"] / h
     scores = {a: (compute_s + c) * STEPS_FACTOR[a] for a, c in comm.items()}
     best = min(scores, key=scores.get)
-    if scores["gradient_allreduce"] <= (TIE if compute_s else TIE_UNKNOWN_COMPUTE) * scores[best]:
+    if (scores["gradient_allreduce"] <= (TIE if compute_s else TIE_UNKNOWN_COMPUTE) * scores[best]
+            or comm["gradient_allreduce"] < NEGLIGIBLE_S):
         best = "gradient_allreduce"
     kwargs = {"hierarchical": hier}
+    if best == "diloco":
+        kwargs["sync_every"] = h
     if best == "decentralized":
         kwargs["peer_selection_mode"] = "shift_one"
     why = {"gradient_allreduce": "the network is fast enough for the exact allreduce",
@@ -120,7 +178,9 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
            "decentralized": "latency-bound: one exchange with one peer per step instead of "
                             f"{2 * (n - 1)} rounds",
            "low_precision_decentralized": "latency- and bandwidth-bound: one compressed "
-                                          "exchange with two neighbours"}[best]
+                                          "exchange with two neighbours",
+           "diloco": f"communication dominates the step: train locally and average every "
+                     f"{h} steps (DiLoCo)"}[best]
     est = ", ".join(f"{a} {1e3 * s:.0f}" for a, s in sorted(scores.items(), key=lambda x: x[1]))
     return best, kwargs, f"{why} (est. ms/step x steps factor: {est})", scores
 
@@ -215,18 +275,21 @@ def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None
     m = measurement or measure_network(group, time_limit_s=time_limit_s)
     name, kwargs, why, scores = choose(m.bandwidth_mbit, m.latency_ms, m.world_size,
                                        model_bytes, compute_s=compute_s, nodes=m.nodes)
-    name, kwargs = bc.broadcast_object((name, kwargs), src=0, group=group)
+    bucket = bucket_size_for(name, m.bandwidth_mbit, m.latency_ms, m.nodes, model_bytes)
+    name, kwargs, bucket = bc.broadcast_object((name, kwargs, bucket), src=0, group=group)
     line = (f"bagua auto: {name}{kwargs} -- measured {m.bandwidth_mbit:.0f} Mbit/s, "
             f"{m.latency_ms:.2f} ms one way between {m.nodes} nodes of {m.world_size} ranks "
-            f"in {m.elapsed_s:.2f}s; {why}")
+            f"in {m.elapsed_s:.2f}s; {why}"
+            + (f"; buckets of {bucket / 2**20:.0f} MiB (each bucket pays the latency)"
+               if bucket else ""))
     log.info(line)
     if group.rank == 0:
         print(line, flush=True)
-    return Recommendation(name, kwargs, Algorithm.init(name, **kwargs), m, line, scores)
+    return Recommendation(name, kwargs, Algorithm.init(name, **kwargs), m, line, scores, bucket)
 
 
-def resolve_algorithm(spec: str, model, group=None):
-    """``with_bagua(model, opts, "auto")``: :func:`recommend`'s algorithm (collective).
+def resolve_algorithm(spec: str, model, group=None) -> Recommendation:
+    """``with_bagua(model, opts, "auto")``: :func:`recommend`'s answer (collective).
     ``BAGUA_ALGORITHM`` overrules it; an explicit Algorithm never reaches here."""
     if spec != "auto":
         raise ValueError(f"algorithm as a string must be 'auto', got {spec!r}")
@@ -235,4 +298,4 @@ def resolve_algorithm(spec: str, model, group=None):
     if not bc.is_initialized():
         raise RuntimeError("bagua_comm is not initialised: call bagua_comm.init_process_group() "
                            "before with_bagua(..., 'auto')")
-    return recommend(model, group=group).algorithm
+    return recommend(model, group=group)

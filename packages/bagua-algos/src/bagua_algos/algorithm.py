@@ -198,6 +198,17 @@ class AlgorithmImpl:
         The division rides on the copy the gather makes anyway."""
         return None
 
+    def carries_unused_flags(self, ctx: BaguaContext) -> bool:
+        """True when this step's :meth:`bucket_ready_hook` reduces ``bucket.grad_and_flags``
+        (``bucket.grad``, followed on the last bucket by one "got a gradient" flag per
+        tensor) with an elementwise SUM or AVG allreduce over the whole group, in any float
+        dtype: the flags then ride in the step's own communication, and a flag still 0
+        afterwards means no rank gave that tensor a gradient.  Asked as the last bucket
+        starts; the answer must be the same on every rank.  The default, False, makes the
+        module reduce the flags in a collective of its own after every bucket's
+        communication (a second collective per step)."""
+        return False
+
     def bucket_ready_hook(self, ctx: BaguaContext, bucket: BaguaBucket):
         """In backward: every gradient of ``bucket`` is in ``bucket.grad``. Start its
         communication and return a handle with ``wait()`` (or None if done already)."""

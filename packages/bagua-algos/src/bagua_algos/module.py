@@ -47,6 +47,7 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
     leave the algorithm's maths unchanged) during the first steps of training, starting from
     ``bucket_size``; see :meth:`BaguaModule.autotune_report`.
     """
+    bucket_given = bucket_size is not None
     bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
     if not isinstance(broadcast_buffers, bool):
         raise ValueError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
@@ -67,7 +68,10 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
                              f"{type(opt).__name__}")
     if isinstance(algorithm, str) and algorithm == "auto":  # measure the network, choose
         from ._recommend import resolve_algorithm
-        algorithm = resolve_algorithm(algorithm, model, group)
+        rec = resolve_algorithm(algorithm, model, group)
+        algorithm = rec.algorithm
+        if rec.bucket_size and not bucket_given:   # the same on every rank (broadcast)
+            bucket_size = rec.bucket_size
     if not isinstance(algorithm, Algorithm):
         raise ValueError("algorithm must be a bagua_algos.Algorithm (e.g. GradientAllReduce() or "
                          f"Algorithm.init('gradient_allreduce')), got {type(algorithm).__name__}")
@@ -185,7 +189,7 @@ class BaguaModule(torch.nn.Module):
                               if broadcast_buffers and self.impl.synchronous and group.size > 1
                               else [])
         self._used_nosync: set[int] = set()    # gradients accumulated under no_sync()
-        self._unused_flags: torch.Tensor | None = None
+        self._carried = False      # this step's flags ride in the last bucket's allreduce
         self._set_buckets(self._make_buckets(self._tensors, bucket_size))
         self.impl.init_operations(self.ctx, self.buckets)
         self._register_hooks()
@@ -218,15 +222,19 @@ class BaguaModule(torch.nn.Module):
                   if any(t.numel() for t in g)]
         align = self.impl.bucket_alignment()
         name_of = {id(t): n for t, n in zip(self._tensors, self._names)}
+        # the last bucket (the last to start, on every rank) has one flag slot per tensor
+        slots = sum(len(g) for g in groups)
         return [BaguaBucket(i, ps, alignment=align, flatten=self.do_flatten,
                             flatten_weights=self.impl.flatten_weights,
-                            names=[name_of[id(p)] for p in ps])
+                            names=[name_of[id(p)] for p in ps],
+                            flag_slots=slots if i == len(groups) - 1 else 0)
                 for i, ps in enumerate(groups)]
 
     def _set_buckets(self, buckets) -> None:
         self.buckets = buckets
         self.ctx.buckets = buckets
         self._bucket_of = {id(p): b.index for b in buckets for p in b.params}
+        self._slotted = [p for b in buckets for p in b.params]   # flag slot order
         self._pending = [len(b.params) for b in buckets]
         self._next = 0
 
@@ -334,7 +342,6 @@ class BaguaModule(torch.nn.Module):
         for p in self._tensors:
             if id(p) not in known:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
-        self._unused_flags = None
         self._relayout(self._bucket_size)
 
     def _hook_outputs(self, out) -> None:
@@ -382,6 +389,10 @@ class BaguaModule(torch.nn.Module):
             if not self.impl.uses_grad_buckets:
                 continue
             b.gather_grads(self.impl.grad_divisor(b))
+            if b.flags is not None:     # the last bucket: every rank knows its flags now
+                self._carried = self.impl.carries_unused_flags(self.ctx)
+                if self._carried:
+                    self._local_flags(b.flags)
             if b.device.type == "cuda":
                 handle = self._launch_on_stream(b)
             else:
@@ -396,46 +407,45 @@ class BaguaModule(torch.nn.Module):
         with torch.cuda.stream(self._comm_stream):
             return self.impl.bucket_ready_hook(self.ctx, bucket)
 
-    def _missing_grads(self):
-        """Before the last buckets start: the tensors that got no gradient in this step (nor
-        in the ``no_sync()`` steps before it) and whose ``.grad`` is None, and this rank's
-        flags (1: a gradient arrived).  None when every tensor got one."""
-        n = len(self._tensors)
-        if self._unused_flags is None or self._unused_flags.numel() != n:
-            self._unused_flags = torch.ones(n, dtype=torch.uint8)
-        flags = self._unused_flags
-        if len(self._ready) == n:
-            flags.fill_(1)
+    def _missing_grads(self) -> list[torch.Tensor] | None:
+        """Before the last buckets start: the bucketed tensors that got no gradient in this
+        step (nor in the ``no_sync()`` steps before it) and whose ``.grad`` is None.  None
+        when every one got a gradient."""
+        if len(self._ready) == len(self._slotted):
             return None
         used = self._ready | self._used_nosync
-        flags.fill_(0)
-        none_before = []
-        for i, t in enumerate(self._tensors):
-            if id(t) in used:
-                flags[i] = 1
-            elif t.grad is None:
-                none_before.append((i, t))
-        return none_before
+        return [t for t in self._slotted if id(t) not in used and t.grad is None]
+
+    def _local_flags(self, out: torch.Tensor) -> torch.Tensor:
+        """Write this rank's flags into ``out`` (one per flag slot; 1: a gradient arrived in
+        this step or in the ``no_sync()`` steps before it) and return it.  Every tensor has
+        one when the last bucket starts during backward; only a step that misses some
+        starts it at the end of backward, after :meth:`_missing_grads`."""
+        if len(self._ready) == len(self._slotted):
+            return out.fill_(1)
+        used = self._ready | self._used_nosync
+        local = torch.tensor([id(t) in used for t in self._slotted], dtype=out.dtype)
+        return out.copy_(local)
 
     def _start_unused_check(self, none_before):
-        """After every bucket's communication completed (the same order on every rank):
-        reduce the flags with MAX, so that each rank knows which tensors no rank gave a
+        """For an algorithm whose communication cannot carry the flags, after every bucket's
+        communication completed (the same order on every rank): reduce them with MAX in a
+        collective of their own, so that each rank knows which tensors no rank gave a
         gradient."""
+        flags = self._local_flags(torch.empty(len(self._slotted), dtype=torch.uint8))
         if self.group.size == 1:
-            return _Done() if none_before else None
-        return bc.allreduce_inplace(self._unused_flags, bc.ReduceOp.MAX, group=self.group,
-                                    async_op=True)
+            return flags, _Done()
+        return flags, bc.allreduce_inplace(flags, bc.ReduceOp.MAX, group=self.group,
+                                           async_op=True)
 
-    def _finish_unused_check(self, handle, none_before) -> None:
-        """A tensor no rank gave a gradient keeps ``.grad`` None (DDP with
-        ``find_unused_parameters=True``: the optimizer skips it); one used on some rank keeps
-        the average, in which this rank's missing gradient counted as zero."""
-        handle.wait()
-        if not none_before:             # every tensor used here: nothing to restore
-            return
-        flags = self._unused_flags
-        for i, t in none_before:
-            if not flags[i]:
+    def _drop_unused(self, flags: torch.Tensor, none_before) -> None:
+        """A tensor no rank gave a gradient (its reduced flag is 0) keeps ``.grad`` None (DDP
+        with ``find_unused_parameters=True``: the optimizer skips it); one used on some rank
+        keeps the average, in which this rank's missing gradient counted as zero."""
+        used = (flags.cpu() != 0).tolist()
+        slot = {id(t): j for j, t in enumerate(self._slotted)}
+        for t in none_before:
+            if not used[slot[id(t)]]:
                 t.grad = None
 
     def _backward_end(self) -> None:
@@ -447,20 +457,26 @@ class BaguaModule(torch.nn.Module):
             for _, handle in self._handles:
                 if handle is not None:
                     handle.wait()
-            # Only after every bucket's communication is done: an algorithm may run a chain of
-            # blocking collectives on the group from its own thread (LowRank's P then Q, the
-            # sparse allgathers), and a collective issued beside it would interleave in a
-            # different order on different ranks (gloo: "collective mismatch", exit -6).
-            if grads:
-                check = (self._start_unused_check(none_before), none_before)
+            # The flags rode in the last bucket's allreduce (GradientAllReduce: one collective
+            # per step), or are reduced now in a collective of their own.  Only after every
+            # bucket's communication is done: an algorithm may run a chain of blocking
+            # collectives on the group from its own thread (LowRank's P then Q, the sparse
+            # allgathers), and a collective issued beside it would interleave in a different
+            # order on different ranks (gloo: "collective mismatch", exit -6).
+            if grads and self.buckets and not self._carried:
+                check = self._start_unused_check(none_before)
             if self._comm_stream is not None:     # GPU: order, don't block the host
                 torch.cuda.current_stream(self._comm_stream.device).wait_stream(
                     self._comm_stream)
             for b, _ in self._handles:
                 b.scatter_grads()
-            if check is not None and check[0] is not None:
-                self._finish_unused_check(*check)
+            if check is not None:
+                check[1].wait()
+            if none_before:
+                self._drop_unused(check[0] if check is not None else self.buckets[-1].flags,
+                                  none_before)
         finally:
+            self._carried = False
             self._handles.clear()
             self._ready.clear()
             self._used_nosync.clear()

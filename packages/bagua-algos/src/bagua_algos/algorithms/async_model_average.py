@@ -134,8 +134,12 @@ class AsyncModelAverageImpl(AlgorithmImpl):
             self._start()
         self._apply_pending()
 
-    def bucket_ready_hook(self, ctx, bucket):
-        return self.reducer.allreduce(bucket.grad, bc.ReduceOp.AVG)
+    def carries_unused_flags(self, ctx):
+        """Gradient buckets start in warmup steps only, and those average (flags included)."""
+        return True
+
+    def bucket_ready_hook(self, ctx, bucket):      # warmup steps only
+        return self.reducer.allreduce(bucket.grad_and_flags, bc.ReduceOp.AVG)
 
     def _apply_pending(self):
         if self.error is not None:

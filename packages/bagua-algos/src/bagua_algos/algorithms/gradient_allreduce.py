@@ -59,10 +59,15 @@ class GradientAllReduceImpl(AlgorithmImpl):
             return self.group.size
         return None
 
+    def carries_unused_flags(self, ctx):
+        """Flat or hierarchical, a sum or a mean: a flag some rank set stays > 0, one no
+        rank set stays 0, so the flags ride in the last bucket's allreduce."""
+        return True
+
     def bucket_ready_hook(self, ctx, bucket):
         if self.grad_divisor(bucket) is not None:      # divided while gathering
-            return self.reducer.allreduce(bucket.grad, bc.ReduceOp.SUM)
-        return self.reducer.allreduce(bucket.grad, self.op)
+            return self.reducer.allreduce(bucket.grad_and_flags, bc.ReduceOp.SUM)
+        return self.reducer.allreduce(bucket.grad_and_flags, self.op)
 
     def autotune_knobs(self):
         """Knobs the autotuner may switch between steps: ``hierarchical`` averages either

@@ -194,9 +194,13 @@ class QAdamImpl(AlgorithmImpl):
                 view.copy_(state["exp_avg"])
                 state["exp_avg"] = view
 
+    def carries_unused_flags(self, ctx):
+        """Warmup steps average the gradients (flags included); compressed steps cannot."""
+        return self.optimizer.next_step_is_warmup()
+
     def bucket_ready_hook(self, ctx, bucket):
         if self.optimizer.next_step_is_warmup():
-            return self.state.reducer.allreduce(bucket.grad, bc.ReduceOp.AVG)
+            return self.state.reducer.allreduce(bucket.grad_and_flags, bc.ReduceOp.AVG)
         i = bucket.index
         self._bind_momentum(bucket)
         with torch.no_grad():
