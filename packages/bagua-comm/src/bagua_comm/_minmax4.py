@@ -206,8 +206,8 @@ def _encode_cpu(flat: torch.Tensor, chunks: int, payload: torch.Tensor) -> torch
     maxs = np.empty(chunks, dtype=np.float32)
     src = _as_numpy(flat)
     kind, lut = _KINDS[flat.dtype], _lut(flat.dtype)
-    _minmax.minmax(src, kind, lut, chunks, mins, maxs)
-    _minmax.encode4(src, kind, lut, chunks, mins, maxs, payload.numpy(), rec, HEADER_BYTES)
+    _minmax.minmax_encode4(src, kind, lut, chunks, mins, maxs, payload.numpy(), rec,
+                           HEADER_BYTES)
     isz = flat.element_size()
     rows[:, :2 * isz] = header_bytes(torch.from_numpy(mins), torch.from_numpy(maxs), flat.dtype)
     rows[:, 2 * isz:HEADER_BYTES] = 0
