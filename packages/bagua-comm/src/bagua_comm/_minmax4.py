@@ -20,8 +20,10 @@ around the plain form, as for :class:`MinMaxUInt8`: the residual ``x - x'`` per 
 added to the next input compressed under that key; residuals are
 ``state_dict()["residuals"]`` (float32 by key), so bagua-algos checkpoints them.
 
-On CPU the kernels are Cython (``_minmax.encode4`` / ``decode4``: one min/max pass and one
-encoding pass, without the GIL); on CUDA plain torch operations (no CuPy).  The bytes are
+On CPU the kernels are Cython (``_minmax.minmax_encode4`` / ``decode4``, without the GIL:
+per chunk a min/max pass, then the encoding pass while the chunk is still in cache; float32
+through SSE2 loops in ``_minmax_simd.h``, decoding through a table of each byte's two values);
+on CUDA plain torch operations (no CuPy).  The bytes are
 defined by the formula above, so every implementation of it (the two paths, a numpy one)
 produces the same payload.
 """
