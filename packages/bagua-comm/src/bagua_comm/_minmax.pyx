@@ -6,6 +6,8 @@ float16 through a lookup table, bfloat16 by a shift); every value is widened to 
 exactly and all arithmetic is float32.  Rounding is round-half-to-even (``rint``), written
 with the 2**23 trick so that it is exact without SSE4.1 and identical to CUDA's ``rintf``.
 Headers (the ``[min, max]`` pair in the tensor's own type) are written by the caller.
+float32 input takes the SSE2 loops of ``_minmax_simd.h`` (same operations, same bytes) for
+the min/max pass and the 4-bit codes; 16-bit input the loops below.
 
 Non-finite input: a chunk holding a NaN or an infinity gets the header ``[NaN, NaN]`` and all
 codes 0, and decodes to NaN everywhere (the formula itself would quietly clamp a NaN to the

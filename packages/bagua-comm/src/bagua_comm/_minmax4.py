@@ -198,7 +198,7 @@ def _encode_torch(flat: torch.Tensor, chunks: int, payload: torch.Tensor) -> tor
 
 
 def _encode_cpu(flat: torch.Tensor, chunks: int, payload: torch.Tensor) -> torch.Tensor:
-    """The Cython kernels of ``_minmax`` (one min/max pass, one encoding pass, no GIL)."""
+    """The Cython kernels of ``_minmax`` (per chunk: min/max, then encoding; no GIL)."""
     from . import _minmax
 
     m = flat.numel() // chunks
