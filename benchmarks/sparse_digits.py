@@ -2,6 +2,7 @@
 """TopK and LowRank on sklearn's digits: held-out accuracy against DDP's (2 ranks).
 
     python benchmarks/sparse_digits.py --seeds 3
+    python benchmarks/sparse_digits.py --seeds 3 --low-rank-start-step 10   # dense warm-up steps
 
 2 gloo ranks, the conv net of ``qadam_digits.py`` (Bagua's MNIST example sized for 8x8
 digits), Adam lr 1e-3, batch 64 per rank, 14 epochs, the same weights and batches for every
@@ -29,17 +30,18 @@ LR = 1e-3
 ROWS = ("ddp", "topk", "topk_fp", "low_rank")
 
 
-def algorithm(row, density):
+def algorithm(row, density, topk_start, low_rank_start):
     from bagua_algos import GradientAllReduce, LowRank, TopK
     from bagua_comm.compression import MinMaxUInt8
 
     return {"ddp": lambda: GradientAllReduce(),
-            "topk": lambda: TopK(density=density, compressor=MinMaxUInt8(1)),
-            "topk_fp": lambda: TopK(density=density),
-            "low_rank": lambda: LowRank(rank=2)}[row]()
+            "topk": lambda: TopK(density=density, compressor=MinMaxUInt8(1),
+                                 start_step=topk_start),
+            "topk_fp": lambda: TopK(density=density, start_step=topk_start),
+            "low_rank": lambda: LowRank(rank=2, start_step=low_rank_start)}[row]()
 
 
-def _rank_main(seeds, rows, opt_name, lr, epochs, density):
+def _rank_main(seeds, rows, opt_name, lr, epochs, density, topk_start=0, low_rank_start=0):
     import bagua_comm as bc
     from bagua_algos import with_bagua
 
@@ -53,7 +55,7 @@ def _rank_main(seeds, rows, opt_name, lr, epochs, density):
             model = Net()
             opt = (torch.optim.Adam(model.parameters(), lr=lr) if opt_name == "adam" else
                    torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
-            model = with_bagua(model, [opt], algorithm(row, density))
+            model = with_bagua(model, [opt], algorithm(row, density, topk_start, low_rank_start))
             torch.manual_seed(seed * 7 + rank)       # dropout differs per rank
             for idx in batches(seed, len(xtr)):
                 opt.zero_grad()
@@ -72,6 +74,10 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, help="default: 1e-3 (adam), 0.05 (sgd, momentum 0.9)")
     ap.add_argument("--epochs", type=int, default=14)
     ap.add_argument("--density", type=float, default=0.01, help="topk rows' density")
+    ap.add_argument("--topk-start-step", type=int, default=0,
+                    help="TopK(start_step=): steps sent as the plain average first")
+    ap.add_argument("--low-rank-start-step", type=int, default=0,
+                    help="LowRank(start_step=): steps sent as the plain average first")
     args = ap.parse_args(argv)
     from bagua_comm.testing import run_ranks
 
@@ -81,10 +87,12 @@ def main(argv=None):
         rows.insert(0, "ddp")
     lr = args.lr or (LR if args.optimizer == "adam" else 0.05)
     res = run_ranks(_rank_main, WORLD, args=(seeds, rows, args.optimizer, lr, args.epochs,
-                                             args.density), timeout=3600)[0]
+                                             args.density, args.topk_start_step,
+                                             args.low_rank_start_step), timeout=3600)[0]
     n = len(data()[3])
     print(f"batch {BATCH} per rank x {WORLD} ranks, {args.epochs} epochs, {args.optimizer} lr "
-          f"{lr}, topk density {args.density}; correct/{n} per seed")
+          f"{lr}, topk density {args.density}, start_step topk {args.topk_start_step} "
+          f"low_rank {args.low_rank_start_step}; correct/{n} per seed")
     print(f"{'row':10s} " + " ".join(f"seed{s:<3d}" for s in seeds) + "   mean%   vs ddp")
     base = sum(res[(s, "ddp")][1] for s in seeds) / len(seeds) / n * 100
     for row in rows:

@@ -18,6 +18,7 @@ def extensions():
     return cythonize([
         Extension("bagua_comm._nccl", ["src/bagua_comm/_nccl.pyx"], libraries=["dl"]),
         Extension("bagua_comm._minmax", ["src/bagua_comm/_minmax.pyx"],
+                  depends=["src/bagua_comm/_minmax_simd.h"],
                   extra_compile_args=KERNEL_FLAGS),
     ], language_level=3, compiler_directives={"boundscheck": False, "wraparound": False})
 

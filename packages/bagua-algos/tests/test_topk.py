@@ -29,6 +29,7 @@ def _all():
     out = {"gar": train(GradientAllReduce, STEPS)[0],
            "dense": train(lambda: TopK(density=1.0), STEPS)[0],
            "sparse": train(_topk, STEPS),
+           "warm": train(lambda: TopK(density=DENSITY, start_step=2), STEPS)[0],
            "rebucketed": train(_topk, STEPS, rebucket_at=3),
            "uint8": train(_topk_uint8, STEPS)[0],
            "hier": train(lambda: TopK(density=DENSITY, hierarchical=True), 2)[0],
@@ -47,9 +48,10 @@ def test_density_one_is_gradient_allreduce_bit_for_bit(results):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def reference(steps, world, density, lr=0.05):
+def reference(steps, world, density, lr=0.05, start_step=0):
     """Single process, numpy: each rank's top-k of gradient + residual per parameter, the
-    residual keeps the rest, the optimizer steps on the mean of the sparse vectors."""
+    residual keeps the rest, the optimizer steps on the mean of the sparse vectors (the
+    plain mean, residuals untouched, for the first ``start_step`` steps)."""
     model = make_model(seed=1)
     opt = sgd(model, lr)
     ps = list(model.parameters())
@@ -66,6 +68,8 @@ def reference(steps, world, density, lr=0.05):
             for r in range(world):
                 c = grads[r][j] + residual[r][j]
                 k = min(c.size, max(1, math.ceil(density * c.size)))
+                if step < start_step:
+                    k, c = c.size, grads[r][j]
                 keep = np.argsort(-np.abs(c), kind="stable")[:k]
                 sent = np.zeros_like(c)
                 sent[keep] = c[keep]
@@ -87,6 +91,20 @@ def test_sparse_steps_match_numpy_reference_and_ranks_stay_identical(results):
     # sparse is not dense: the run differs from the plain average
     assert not all(torch.equal(x, y) for x, y in zip(results[0]["sparse"][0][-1],
                                                       results[0]["dense"][-1]))
+
+
+def test_start_step_sends_the_plain_average_first_then_top_k(results):
+    want = reference(STEPS, 2, DENSITY, start_step=2)
+    for step in range(STEPS):
+        a, b = results[0]["warm"][step], results[1]["warm"][step]
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), step
+        for x, w in zip(a, want[step]):
+            torch.testing.assert_close(x, w, atol=1e-6, rtol=1e-5)
+    for step in range(2):       # the warm-up steps are GradientAllReduce's, bit for bit
+        assert all(torch.equal(x, y) for x, y in zip(results[0]["warm"][step],
+                                                      results[0]["gar"][step])), step
+    assert not all(torch.equal(x, y) for x, y in zip(results[0]["warm"][2],
+                                                      results[0]["gar"][2]))
 
 
 def test_quantised_values_and_hierarchical_keep_ranks_identical(results):
@@ -138,3 +156,9 @@ def test_compressor_with_its_own_error_feedback_is_refused():
         TopK(compressor=MinMaxUInt8(1, error_feedback=True))
     with pytest.raises(ValueError, match="compressor"):
         TopK(compressor="uint8")
+
+
+@pytest.mark.parametrize("start_step", [-1, 1.5, True, "2"])
+def test_bad_start_step_raises_naming_it(start_step):
+    with pytest.raises(ValueError, match="start_step"):
+        TopK(start_step=start_step)

@@ -6,6 +6,8 @@ float16 through a lookup table, bfloat16 by a shift); every value is widened to 
 exactly and all arithmetic is float32.  Rounding is round-half-to-even (``rint``), written
 with the 2**23 trick so that it is exact without SSE4.1 and identical to CUDA's ``rintf``.
 Headers (the ``[min, max]`` pair in the tensor's own type) are written by the caller.
+float32 input takes the SSE2 loops of ``_minmax_simd.h`` (same operations, same bytes) for
+the min/max pass and the 4-bit codes; 16-bit input the loops below.
 
 Non-finite input: a chunk holding a NaN or an infinity gets the header ``[NaN, NaN]`` and all
 codes 0, and decodes to NaN everywhere (the formula itself would quietly clamp a NaN to the
@@ -16,11 +18,21 @@ from libc.stdint cimport uint8_t, uint16_t, uint32_t
 from libc.math cimport copysignf, fabsf
 from libc.string cimport memcpy, memset
 
+cdef extern from "_minmax_simd.h" nogil:
+    # float32 fast paths (SSE2 on x86-64, plain C elsewhere): the same float32 operations
+    int bagua_minmax_f32(const float* p, Py_ssize_t m, float* mn, float* mx)
+    void bagua_codes4_f32(const float* p, Py_ssize_t m, float scale, float lower, float upper,
+                          uint8_t* out)
+    void bagua_decode4_f32(const uint8_t* codes, Py_ssize_t n, const float* pairs, float* out,
+                           int stream)
+
 ctypedef fused src_t:
     float
     uint16_t
 
 cdef enum:
+    # decode4 writes outputs of at least this many floats (16 MiB) with non-temporal stores
+    STREAM_FLOATS = 1 << 22
     KIND_F32 = 0
     KIND_F16 = 1
     KIND_BF16 = 2
@@ -111,7 +123,17 @@ def minmax(const src_t[::1] src, int kind, const float[::1] lut, Py_ssize_t chun
     cdef const src_t* p = &src[0]
     with nogil:
         for c in range(chunks):
-            _minmax_chunk(p + c * m, m, kind, tab, &mins[c], &maxs[c])
+            _minmax_one(p + c * m, m, kind, tab, &mins[c], &maxs[c])
+
+
+cdef inline void _minmax_one(const src_t* p, Py_ssize_t m, int kind, const float* tab,
+                             float* mn, float* mx) noexcept nogil:
+    if src_t is float:
+        if bagua_minmax_f32(p, m, mn, mx):
+            mn[0] = _nan()
+            mx[0] = _nan()
+    else:
+        _minmax_chunk(p, m, kind, tab, mn, mx)
 
 
 cdef void _codes_small(const src_t* p, Py_ssize_t m, int kind, const float* tab, float scale,
@@ -155,22 +177,39 @@ def encode(const src_t[::1] src, int kind, const float[::1] lut, Py_ssize_t chun
     cdef Py_ssize_t n = src.shape[0]
     cdef Py_ssize_t m = n // chunks
     cdef Py_ssize_t c
-    cdef float scale, upper, lower
     cdef const float* tab = &lut[0] if lut.shape[0] else NULL
     cdef const src_t* p = &src[0]
-    cdef uint8_t* out
     with nogil:
         for c in range(chunks):
-            scale = _scale(mins[c], maxs[c])
-            upper = _rint(maxs[c] * scale)
-            lower = upper - <float>255.0
-            out = &payload[c * record + header]
-            if mins[c] != mins[c]:  # non-finite chunk: codes 0, decodes to NaN
-                memset(out, 0, m)
-            elif fabsf(upper) <= <float>4194304.0 and fabsf(lower) <= <float>4194304.0:
-                _codes_small(p + c * m, m, kind, tab, scale, lower, upper, out)
-            else:
-                _codes_general(p + c * m, m, kind, tab, scale, lower, upper, out)
+            _encode_one(p + c * m, m, kind, tab, mins[c], maxs[c], &payload[c * record + header])
+
+
+def minmax_encode(const src_t[::1] src, int kind, const float[::1] lut, Py_ssize_t chunks,
+                  float[::1] mins, float[::1] maxs, uint8_t[::1] payload,
+                  Py_ssize_t record, Py_ssize_t header):
+    """``minmax`` then ``encode``, chunk by chunk: the encoding pass finds a chunk that fits
+    the cache still there, instead of reading the whole input from memory twice."""
+    cdef Py_ssize_t m = src.shape[0] // chunks
+    cdef Py_ssize_t c
+    cdef const float* tab = &lut[0] if lut.shape[0] else NULL
+    cdef const src_t* p = &src[0]
+    with nogil:
+        for c in range(chunks):
+            _minmax_one(p + c * m, m, kind, tab, &mins[c], &maxs[c])
+            _encode_one(p + c * m, m, kind, tab, mins[c], maxs[c], &payload[c * record + header])
+
+
+cdef void _encode_one(const src_t* p, Py_ssize_t m, int kind, const float* tab, float mn,
+                      float mx, uint8_t* out) noexcept nogil:
+    cdef float scale = _scale(mn, mx)
+    cdef float upper = _rint(mx * scale)
+    cdef float lower = upper - <float>255.0
+    if mn != mn:  # non-finite chunk: codes 0, decodes to NaN
+        memset(out, 0, m)
+    elif fabsf(upper) <= <float>4194304.0 and fabsf(lower) <= <float>4194304.0:
+        _codes_small(p, m, kind, tab, scale, lower, upper, out)
+    else:
+        _codes_general(p, m, kind, tab, scale, lower, upper, out)
 
 
 def decode(const uint8_t[::1] payload, Py_ssize_t record, Py_ssize_t header,
@@ -220,6 +259,9 @@ cdef void _codes4(const src_t* p, Py_ssize_t m, int kind, const float* tab, floa
     cdef Py_ssize_t k
     cdef uint8_t a, b
     if fabsf(upper) <= <float>4194304.0 and fabsf(lower) <= <float>4194304.0:
+        if src_t is float:
+            bagua_codes4_f32(p, m, scale, lower, upper, out)
+            return
         for k in range(m // 2):
             a = _code4_small(_load(p, 2 * k, kind, tab) * scale, lower, upper)
             b = _code4_small(_load(p, 2 * k + 1, kind, tab) * scale, lower, upper)
@@ -237,20 +279,37 @@ def encode4(const src_t[::1] src, int kind, const float[::1] lut, Py_ssize_t chu
     """One pass: chunk ``c``'s ``m / 2`` code bytes go to ``payload[c * record + header:]``."""
     cdef Py_ssize_t m = src.shape[0] // chunks
     cdef Py_ssize_t c
-    cdef float scale, upper, lower
     cdef const float* tab = &lut[0] if lut.shape[0] else NULL
     cdef const src_t* p = &src[0]
-    cdef uint8_t* out
     with nogil:
         for c in range(chunks):
-            out = &payload[c * record + header]
-            if mins[c] != mins[c]:  # non-finite chunk: codes 0, decodes to NaN
-                memset(out, 0, m // 2)
-                continue
-            scale = _scale4(mins[c], maxs[c])
-            upper = _rint(maxs[c] * scale)
-            lower = upper - <float>15.0
-            _codes4(p + c * m, m, kind, tab, scale, lower, upper, out)
+            _encode4_one(p + c * m, m, kind, tab, mins[c], maxs[c], &payload[c * record + header])
+
+
+def minmax_encode4(const src_t[::1] src, int kind, const float[::1] lut, Py_ssize_t chunks,
+                   float[::1] mins, float[::1] maxs, uint8_t[::1] payload,
+                   Py_ssize_t record, Py_ssize_t header):
+    """``minmax`` then ``encode4``, chunk by chunk (see ``minmax_encode``)."""
+    cdef Py_ssize_t m = src.shape[0] // chunks
+    cdef Py_ssize_t c
+    cdef const float* tab = &lut[0] if lut.shape[0] else NULL
+    cdef const src_t* p = &src[0]
+    with nogil:
+        for c in range(chunks):
+            _minmax_one(p + c * m, m, kind, tab, &mins[c], &maxs[c])
+            _encode4_one(p + c * m, m, kind, tab, mins[c], maxs[c], &payload[c * record + header])
+
+
+cdef void _encode4_one(const src_t* p, Py_ssize_t m, int kind, const float* tab, float mn,
+                       float mx, uint8_t* out) noexcept nogil:
+    cdef float scale, upper, lower
+    if mn != mn:  # non-finite chunk: codes 0, decodes to NaN
+        memset(out, 0, m // 2)
+        return
+    scale = _scale4(mn, mx)
+    upper = _rint(mx * scale)
+    lower = upper - <float>15.0
+    _codes4(p, m, kind, tab, scale, lower, upper, out)
 
 
 def decode4(const uint8_t[::1] payload, Py_ssize_t record, Py_ssize_t header,
@@ -258,15 +317,18 @@ def decode4(const uint8_t[::1] payload, Py_ssize_t record, Py_ssize_t header,
     """``out[c * m + i] = (q + lower) / scale`` in float32, two codes per byte."""
     cdef Py_ssize_t m = out.shape[0] // chunks
     cdef Py_ssize_t c, k
+    cdef int b
     cdef float scale, lower
-    cdef const uint8_t* codes
-    cdef float* dst
+    cdef float pairs[512]  # byte b -> its two decoded values (16 levels: one division each)
     with nogil:
         for c in range(chunks):
             scale = _scale4(mins[c], maxs[c])
             lower = _rint(maxs[c] * scale) - <float>15.0
-            codes = &payload[c * record + header]
-            dst = &out[c * m]
-            for k in range(m // 2):
-                dst[2 * k] = (<float>(codes[k] & 15) + lower) / scale
-                dst[2 * k + 1] = (<float>(codes[k] >> 4) + lower) / scale
+            for b in range(16):
+                pairs[2 * b] = (<float>b + lower) / scale
+            for b in range(16, 256):
+                pairs[2 * b] = pairs[2 * (b & 15)]
+            for b in range(256):
+                pairs[2 * b + 1] = pairs[2 * (b >> 4)]
+            bagua_decode4_f32(&payload[c * record + header], m // 2, pairs, &out[c * m],
+                              out.shape[0] >= STREAM_FLOATS)

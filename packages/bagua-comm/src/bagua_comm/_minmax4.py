@@ -20,8 +20,10 @@ around the plain form, as for :class:`MinMaxUInt8`: the residual ``x - x'`` per 
 added to the next input compressed under that key; residuals are
 ``state_dict()["residuals"]`` (float32 by key), so bagua-algos checkpoints them.
 
-On CPU the kernels are Cython (``_minmax.encode4`` / ``decode4``: one min/max pass and one
-encoding pass, without the GIL); on CUDA plain torch operations (no CuPy).  The bytes are
+On CPU the kernels are Cython (``_minmax.minmax_encode4`` / ``decode4``, without the GIL:
+per chunk a min/max pass, then the encoding pass while the chunk is still in cache; float32
+through SSE2 loops in ``_minmax_simd.h``, decoding through a table of each byte's two values);
+on CUDA plain torch operations (no CuPy).  The bytes are
 defined by the formula above, so every implementation of it (the two paths, a numpy one)
 produces the same payload.
 """
@@ -196,7 +198,7 @@ def _encode_torch(flat: torch.Tensor, chunks: int, payload: torch.Tensor) -> tor
 
 
 def _encode_cpu(flat: torch.Tensor, chunks: int, payload: torch.Tensor) -> torch.Tensor:
-    """The Cython kernels of ``_minmax`` (one min/max pass, one encoding pass, no GIL)."""
+    """The Cython kernels of ``_minmax`` (per chunk: min/max, then encoding; no GIL)."""
     from . import _minmax
 
     m = flat.numel() // chunks
@@ -206,8 +208,8 @@ def _encode_cpu(flat: torch.Tensor, chunks: int, payload: torch.Tensor) -> torch
     maxs = np.empty(chunks, dtype=np.float32)
     src = _as_numpy(flat)
     kind, lut = _KINDS[flat.dtype], _lut(flat.dtype)
-    _minmax.minmax(src, kind, lut, chunks, mins, maxs)
-    _minmax.encode4(src, kind, lut, chunks, mins, maxs, payload.numpy(), rec, HEADER_BYTES)
+    _minmax.minmax_encode4(src, kind, lut, chunks, mins, maxs, payload.numpy(), rec,
+                           HEADER_BYTES)
     isz = flat.element_size()
     rows[:, :2 * isz] = header_bytes(torch.from_numpy(mins), torch.from_numpy(maxs), flat.dtype)
     rows[:, 2 * isz:HEADER_BYTES] = 0

@@ -440,8 +440,8 @@ def _compress(flat, chunks, payload=None):
     maxs = np.empty(chunks, dtype=np.float32)
     src = _as_numpy(flat)
     kind, lut = _KINDS[flat.dtype], _lut(flat.dtype)
-    _minmax.minmax(src, kind, lut, chunks, mins, maxs)
-    _minmax.encode(src, kind, lut, chunks, mins, maxs, payload.numpy(), rec, HEADER_BYTES)
+    _minmax.minmax_encode(src, kind, lut, chunks, mins, maxs, payload.numpy(), rec,
+                          HEADER_BYTES)
     rows[:, :2 * isz] = header_bytes(torch.from_numpy(mins), torch.from_numpy(maxs), flat.dtype)
     rows[:, 2 * isz:HEADER_BYTES] = 0
     rows[:, HEADER_BYTES + m:] = 0

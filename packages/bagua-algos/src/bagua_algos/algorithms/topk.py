@@ -9,7 +9,7 @@ import torch
 
 import bagua_comm as bc
 
-from .._checks import check_bool
+from .._checks import check_bool, check_int_at_least
 from .._comm import Reducer
 from .._compression import check_compressor
 from .._state import export_flat, import_flat
@@ -40,13 +40,20 @@ class TopK(Algorithm, name="topk"):
     gradient's dtype.  The error feedback then keeps the quantisation error too.
     ``hierarchical=True`` averages inside each node in full precision and runs TopK among
     node leaders.
+
+    ``start_step`` (as LowRank's): the first ``start_step`` steps send the plain average,
+    uncompressed (GradientAllReduce's result, residuals untouched).  At density ``d`` an entry
+    waits about ``1 / d`` steps between sends, so a short run, or one with Adam (which turns
+    each delayed burst into a single normalised step), loses accuracy that a dense start
+    recovers; each warm-up step costs DDP's bytes.
     """
 
     def __init__(self, density: float = 0.01, hierarchical: bool = False,
-                 average: bool = True, compressor=None):
+                 average: bool = True, compressor=None, start_step: int = 0):
         self.density = check_density(density)
         check_bool("hierarchical", hierarchical)
         check_bool("average", average)
+        check_int_at_least("start_step", start_step, 0)
         check_compressor(compressor)
         if getattr(compressor, "error_feedback", False):
             raise ValueError("compressor must not keep its own error feedback under TopK "
@@ -55,6 +62,7 @@ class TopK(Algorithm, name="topk"):
         self.hierarchical = hierarchical
         self.average = average
         self.compressor = compressor
+        self.start_step = start_step
 
     def reify(self, group):
         return TopKImpl(group, self)
@@ -82,6 +90,8 @@ class TopKImpl(AlgorithmImpl):
     def __init__(self, group, algo: TopK):
         super().__init__(group)
         self.density = algo.density
+        self.start_step = algo.start_step
+        self.rounds = 0                                # synchronised steps so far
         self.op_average = algo.average
         self.compressor = algo.compressor
         self.reducer = Reducer(group, algo.hierarchical, "bagua-topk")
@@ -97,6 +107,9 @@ class TopKImpl(AlgorithmImpl):
 
     def bucket_ready_hook(self, ctx, bucket):
         tensor, i = bucket.grad, bucket.index
+        if self.rounds < self.start_step:              # warm-up: the exact average
+            op = bc.ReduceOp.AVG if self.op_average else bc.ReduceOp.SUM
+            return self.reducer.allreduce(tensor, op)
 
         def among(t, g):
             self.exchange(t, i, g)
@@ -167,11 +180,15 @@ class TopKImpl(AlgorithmImpl):
         tensor[:numel].copy_(dense)
         tensor[numel:].zero_()
 
+    def post_backward_hook(self, ctx):
+        self.rounds += 1
+
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self):
-        return {"residuals": export_flat(self.buckets, self.residuals)}
+        return {"residuals": export_flat(self.buckets, self.residuals), "rounds": self.rounds}
 
     def load_state_dict(self, state):
+        self.rounds = int(state.get("rounds", 0))
         saved = state.get("residuals", {})
         for r in self.residuals:
             r.zero_()
@@ -179,6 +196,7 @@ class TopKImpl(AlgorithmImpl):
 
     def load_foreign_state_dict(self, state, *, world_size, rank):
         # A residual is one rank's unsent gradient: another rank's would be sent twice.
+        self.rounds = int(state.get("rounds", 0))      # the same on every rank
         for r in self.residuals:
             r.zero_()
         if any(t.any() for t in state.get("residuals", {}).values()):
