@@ -47,6 +47,16 @@ def test_async_algorithm_is_refused():
                       replica_id="r")
 
 
+def test_shift_one_decentralized_is_refused_naming_why():
+    import bagua_algos as ba
+    from bagua_algos.ft import FaultTolerant
+
+    model, opt, _ = _args()
+    with pytest.raises(ValueError, match="shift_one.*even number of replicas"):
+        FaultTolerant(model, opt, ba.Decentralized(peer_selection_mode="shift_one"),
+                      lighthouse="http://127.0.0.1:9", replica_id="r")
+
+
 def test_unreachable_lighthouse_fails_within_connect_timeout():
     pytest.importorskip("torchft", reason="torchft is not installed: pip install "
                         "'bagua-algos[ft]'")

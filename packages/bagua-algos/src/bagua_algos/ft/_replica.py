@@ -137,6 +137,11 @@ class FaultTolerant:
         if algorithm.name in _UNSUPPORTED:
             raise ValueError(f"algorithm {algorithm.name!r} cannot run under FaultTolerant: "
                              f"{_UNSUPPORTED[algorithm.name]}")
+        if getattr(algorithm, "peer_selection_mode", None) == "shift_one":
+            raise ValueError("algorithm 'decentralized' with peer_selection_mode='shift_one' "
+                             "cannot run under FaultTolerant: it pairs ranks, so it needs an even "
+                             "number of replicas, and a quorum that loses or gains one has an odd "
+                             "number; use peer_selection_mode='all'")
         if not isinstance(lighthouse, str) or not lighthouse:
             raise ValueError(f"lighthouse must be the Lighthouse's address "
                              f"('http://host:port'), got {lighthouse!r}")
@@ -164,6 +169,9 @@ class FaultTolerant:
 
         self._module, self.optimizer, self.algorithm = model, optimizer, algorithm
         self.scheduler, self.data = scheduler, data
+        # False where the training loop steps the scheduler itself (Lightning): it is still
+        # carried to a joining replica
+        self._step_scheduler = True
         self._wrap = {"bucket_size": bucket_size, "do_flatten": do_flatten}
         self._meta = _model_meta(model, algorithm)
         self.model: BaguaModule | None = None
@@ -280,7 +288,13 @@ class FaultTolerant:
             self._module.load_state_dict(healed["model"])
             opt_state = dict(healed["optimizer"])
             own = opt_state.pop(_STATE_KEY, None)
+            # torch's load_state_dict adds keys to the optimizer's defaults (differentiable)
+            # that the live replicas' optimizers, never loaded, lack; QAdam's description in
+            # with_bagua's same-on-every-rank check includes them
+            defaults = dict(self.optimizer.defaults)
             self.optimizer.load_state_dict(opt_state)
+            self.optimizer.defaults.clear()
+            self.optimizer.defaults.update(defaults)
             if self.scheduler is not None:
                 self.scheduler.load_state_dict(healed["scheduler"])
             data_state = healed["data"]
@@ -303,7 +317,7 @@ class FaultTolerant:
         committed = self.manager.should_commit()
         if committed:
             self.optimizer.step()
-            if self.scheduler is not None:
+            if self.scheduler is not None and self._step_scheduler:
                 self.scheduler.step()
             if self.data is not None:
                 self.data.commit()
