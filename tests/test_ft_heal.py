@@ -37,7 +37,7 @@ CARRIED = {
     "low_precision_decentralized": ("/mine", "the compressed replicas"),
     "local_sgd": ("anchor", "the anchor"),
     "diloco": ("momentum", "the outer momentum"),
-    "diloco_fragments": ("momentum", "the outer momentum"),
+    "diloco_fragments": ("/steps", "the inner step counter"),
     "topk": ("residuals", "TopK residuals"),
     "low_rank": ("/q/", "the warm-start Q"),
     "gradient_allreduce": ("exp_avg_sq", "Adam's state"),
