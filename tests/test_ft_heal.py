@@ -26,7 +26,8 @@ HOLD, STEPS = 4, 8
 # change of world size every rank restarts it by the algorithm's documented rule, so it is
 # compared across replicas but not against the job's state before the join.
 PER_RANK = ("/rank", "compressor", "residuals", "/left", "/right", "/mine", "/diff",
-            "/decoded", "/payload")
+            "/decoded", "/payload",
+            "/start")    # DiLoCo with overlap: a sync in flight starts from each rank's model
 
 # Where each algorithm keeps state that must be non-trivial in the transfer (so the check has
 # something to carry), as (path fragment in the flattened optimizer state, what it is).
