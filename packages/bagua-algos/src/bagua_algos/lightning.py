@@ -182,7 +182,8 @@ class BaguaStrategy(DDPStrategy):
 
     def __init__(self, algorithm: str | Algorithm = "gradient_allreduce", *,
                  do_flatten: bool = True, bucket_size: int | None = None,
-                 fault_tolerant: bool | dict = False, accelerator=None, parallel_devices=None, cluster_environment=None,
+                 fault_tolerant: bool | dict = False, accelerator=None,
+                 parallel_devices=None, cluster_environment=None,
                  checkpoint_io=None, precision_plugin=None,
                  process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout,
