@@ -99,19 +99,21 @@ from datetime import timedelta
 import bagua_algos as ba
 from bagua_algos.ft import FaultTolerant
 lh = subprocess.Popen([sys.executable, "-c", "import time; from bagua_algos.ft import "
-                       "lighthouse; print(lighthouse().address(), flush=True); time.sleep(600)"],
-                      stdout=subprocess.PIPE, text=True)
-addr = lh.stdout.readline().strip()
-m = torch.nn.Linear(2, 1)
-opt = torch.optim.SGD(m.parameters(), lr=0.1)
-ft = FaultTolerant(m, opt, ba.GradientAllReduce(), lighthouse=addr, replica_id="r",
-                   quorum_timeout=timedelta(seconds=3))
-for i in range(3):
-    with ft.step() as step:
-        ft.model(torch.ones(1, 2)).sum().backward()
-    assert step.committed
-lh.kill()
-lh.wait()
+                       "lighthouse; lh = lighthouse(); print(lh.address(), flush=True); "
+                       "time.sleep(100)"], stdout=subprocess.PIPE, text=True)
+try:
+    addr = lh.stdout.readline().strip()
+    m = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ft = FaultTolerant(m, opt, ba.GradientAllReduce(), lighthouse=addr, replica_id="r",
+                       quorum_timeout=timedelta(seconds=3))
+    for i in range(3):
+        with ft.step() as step:
+            ft.model(torch.ones(1, 2)).sum().backward()
+        assert step.committed
+finally:
+    lh.kill()           # the Lighthouse's host is lost
+    lh.wait()
 t0 = time.time()
 try:
     with ft.step():

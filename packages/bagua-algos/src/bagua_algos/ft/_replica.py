@@ -260,7 +260,11 @@ class FaultTolerant:
                 self.manager.start_quorum()
             except Exception as err:        # torchft's Rust client: plain Exceptions
                 if isinstance(err, TimeoutError) or "timeout" in str(err).lower():
-                    raise self._no_quorum(err) from err
+                    # torchft's Manager cannot go on (its failed quorum is re-raised by every
+                    # later call) and its threads would keep the process from exiting
+                    lost = self._no_quorum(err)
+                    self.close()
+                    raise lost from err
                 raise
             healed, self._healed = self._healed, None
             if not (healed is not None or self._dirty or self.model is None
