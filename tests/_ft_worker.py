@@ -19,10 +19,17 @@ import bagua_algos as ba
 from bagua_algos.ft import FaultTolerant
 from bagua_data import LoadBalancingDistributedSampler
 
-ALGOS = {"gradient_allreduce": lambda: ba.GradientAllReduce(),
-         "bytegrad": lambda: ba.ByteGrad(error_feedback=True),
-         "decentralized": lambda: ba.Decentralized(),
-         "low_precision_decentralized": lambda: ba.LowPrecisionDecentralized()}
+ALGOS = {"gradient_allreduce": lambda opt: ba.GradientAllReduce(),
+         "bytegrad": lambda opt: ba.ByteGrad(error_feedback=True),
+         "decentralized": lambda opt: ba.Decentralized(),
+         "decentralized_shift_one": lambda opt: ba.Decentralized(peer_selection_mode="shift_one"),
+         "low_precision_decentralized": lambda opt: ba.LowPrecisionDecentralized(),
+         "qadam": lambda opt: ba.QAdam(opt),
+         "local_sgd": lambda opt: ba.LocalSGD(sync_every=2),
+         "diloco": lambda opt: ba.DiLoCo(sync_every=2),
+         "diloco_fragments": lambda opt: ba.DiLoCo(sync_every=4, fragments=2, overlap_steps=1),
+         "topk": lambda opt: ba.TopK(density=0.1),
+         "low_rank": lambda opt: ba.LowRank(rank=2)}
 
 
 def build(args):
@@ -32,7 +39,10 @@ def build(args):
     if args.shape_bug:
         model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden + 1), torch.nn.Tanh(),
                                     torch.nn.Linear(args.hidden + 1, 1))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if args.algo == "qadam":
+        opt = ba.QAdamOptimizer(model.parameters(), lr=1e-2, warmup_steps=2)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.samples, 16, generator=g)
@@ -49,6 +59,12 @@ def wait_for(path, limit=120.0):
         if time.time() > end:
             raise TimeoutError(f"{path} did not appear within {limit} s")
         time.sleep(0.01)
+
+
+def sync(args):
+    if args.sync_dir:
+        open(os.path.join(args.sync_dir, f"ready-{args.tag}"), "w").close()
+        wait_for(os.path.join(args.sync_dir, f"go-{args.tag}"))
 
 
 def main():
@@ -68,14 +84,20 @@ def main():
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--sync-dir", default="", help="write ready-<tag> there, then wait for go-<tag>")
     p.add_argument("--tag", default="")
+    p.add_argument("--connect-after-go", action="store_true",
+                   help="join the Lighthouse only once go-<tag> is there (a replica that joins)")
     p.add_argument("--hold-at", type=int, default=-1,
                    help="before this step, wait for <sync-dir>/release")
     args = p.parse_args()
     from datetime import timedelta
     model, opt, sched, data = build(args)
-    ft = FaultTolerant(model, opt, ALGOS[args.algo](), lighthouse=args.lighthouse,
+    if args.connect_after_go:
+        sync(args)
+    ft = FaultTolerant(model, opt, ALGOS[args.algo](opt), lighthouse=args.lighthouse,
                        replica_id=args.replica_id, scheduler=sched, data=data,
                        timeout=timedelta(seconds=args.timeout))
+    if args.sync_dir:
+        open(os.path.join(args.sync_dir, f"connected-{args.tag}"), "w").close()
     if args.dump:
         send = ft._send
 
@@ -92,9 +114,8 @@ def main():
             receive(state)
         ft._receive = recording_receive
     log = open(args.log, "a", buffering=1)  # noqa: SIM115 (lines must reach the file as written)
-    if args.sync_dir:
-        open(os.path.join(args.sync_dir, f"ready-{args.tag}"), "w").close()
-        wait_for(os.path.join(args.sync_dir, f"go-{args.tag}"))
+    if not args.connect_after_go:
+        sync(args)
     heals = generation = 0
     while ft.committed_steps < args.steps:
         if args.sync_dir and os.path.exists(os.path.join(args.sync_dir, "stop")):

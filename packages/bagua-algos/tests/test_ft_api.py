@@ -1,6 +1,7 @@
 """bagua_algos.ft without a job: importing, bad input, an unreachable Lighthouse.
 (The kill/heal scenario is tests/test_ft.py at the repository root.)"""
 
+import os
 import subprocess
 import sys
 import time
@@ -47,6 +48,16 @@ def test_async_algorithm_is_refused():
                       replica_id="r")
 
 
+def test_shift_one_decentralized_is_refused_naming_why():
+    import bagua_algos as ba
+    from bagua_algos.ft import FaultTolerant
+
+    model, opt, _ = _args()
+    with pytest.raises(ValueError, match=r"shift_one.*even number of replicas"):
+        FaultTolerant(model, opt, ba.Decentralized(peer_selection_mode="shift_one"),
+                      lighthouse="http://127.0.0.1:9", replica_id="r")
+
+
 def test_unreachable_lighthouse_fails_within_connect_timeout():
     pytest.importorskip("torchft", reason="torchft is not installed: pip install "
                         "'bagua-algos[ft]'")
@@ -74,3 +85,46 @@ else:
     # torchft's client retries the connection within connect_timeout, then the manager
     # server gives up (about 11 s measured at load 9 on 2 cores): bounded, with a clear error
     assert float(out.stdout.split()[-1]) < 30 and time.time() - t0 < 60
+
+
+def test_lighthouse_lost_mid_run_is_a_clear_error_within_quorum_timeout():
+    """The host holding the Lighthouse dies (its process killed): the replica's next step
+    gets no quorum and raises a RuntimeError naming the Lighthouse and the timeout, after
+    quorum_timeout, instead of hanging or torchft's bare TimeoutError."""
+    pytest.importorskip("torchft", reason="torchft is not installed: pip install "
+                        "'bagua-algos[ft]'")
+    code = """
+import os, subprocess, sys, time, torch
+from datetime import timedelta
+import bagua_algos as ba
+from bagua_algos.ft import FaultTolerant
+lh = subprocess.Popen([sys.executable, "-c", "import time; from bagua_algos.ft import "
+                       "lighthouse; lh = lighthouse(); print(lh.address(), flush=True); "
+                       "time.sleep(100)"], stdout=subprocess.PIPE, text=True)
+try:
+    addr = lh.stdout.readline().strip()
+    m = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ft = FaultTolerant(m, opt, ba.GradientAllReduce(), lighthouse=addr, replica_id="r",
+                       quorum_timeout=timedelta(seconds=3))
+    for i in range(3):
+        with ft.step() as step:
+            ft.model(torch.ones(1, 2)).sum().backward()
+        assert step.committed
+finally:
+    lh.kill()           # the Lighthouse's host is lost
+    lh.wait()
+t0 = time.time()
+try:
+    with ft.step():
+        pass
+except RuntimeError as e:
+    assert addr in str(e) and "quorum_timeout=0:00:03" in str(e) and "lost" in str(e), e
+    print(round(time.time() - t0, 1))
+else:
+    raise SystemExit("no error")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "RUST_LOG": "error"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert 2.5 < float(out.stdout.split()[-1]) < 15, out.stdout

@@ -28,7 +28,10 @@ def describe(value, depth: int = 0) -> str:
         inner = ", ".join(describe(v, depth + 1) for v in value)
         return f"[{inner}]" if isinstance(value, list) else f"({inner})"
     if isinstance(value, dict):
-        items = sorted((str(k), describe(v, depth + 1)) for k, v in value.items())
+        # keys by what they are, not their values (an optimizer's state is keyed by the
+        # parameters themselves, whose values may differ between ranks)
+        items = sorted((k if isinstance(k, str) else describe(k, depth + 1),
+                        describe(v, depth + 1)) for k, v in value.items())
         return "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
     if isinstance(value, torch.Tensor):
         return f"tensor({tuple(value.shape)}, {value.dtype})"

@@ -33,13 +33,21 @@ distributed samplers):
 
 It runs under ``torchrun`` (one process per device, ``devices`` = ``--nproc-per-node``) and
 with Lightning's own launcher (``devices=N`` in a plain ``python train.py``).
+
+``fault_tolerant=True`` (or a dict of :class:`bagua_algos.ft.FaultTolerant`'s options) trains
+restart-free on torchft instead: one process per replica (``devices=1``), each step under the
+Lighthouse's quorum, a joining replica healed from a live one (docs/fault-tolerance.md).
+torchft is imported only then.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import inspect
 import logging
+import os
+import socket
 from collections.abc import Generator
 from datetime import timedelta
 from typing import Any
@@ -99,6 +107,44 @@ def _reduce_op(reduce_op) -> bc.ReduceOp:
     return _REDUCE_OPS[key]
 
 
+_FT_OPTIONS = ("lighthouse", "replica_id", "min_replicas", "timeout", "quorum_timeout",
+               "connect_timeout", "heartbeat_interval")
+
+
+def _fault_tolerant_options(fault_tolerant, algorithm) -> dict | None:
+    """``fault_tolerant`` checked (before any communication): None, or FaultTolerant's
+    keyword arguments with the Lighthouse address and this replica's id filled in."""
+    if fault_tolerant is False or fault_tolerant is None:
+        return None
+    if fault_tolerant is True:
+        options = {}
+    elif isinstance(fault_tolerant, dict):
+        options = dict(fault_tolerant)
+        unknown = sorted(set(options) - set(_FT_OPTIONS))
+        if unknown:
+            raise ValueError(f"fault_tolerant has unknown keys {unknown}; it takes "
+                             f"{list(_FT_OPTIONS)}")
+    else:
+        raise ValueError("fault_tolerant must be a bool or a dict of bagua_algos.ft."
+                         f"FaultTolerant options, got {type(fault_tolerant).__name__}")
+    name = algorithm if isinstance(algorithm, str) else algorithm.name
+    from .ft._replica import _UNSUPPORTED  # no torchft import
+    if name in _UNSUPPORTED:
+        raise ValueError(f"algorithm {name!r} cannot run with fault_tolerant: "
+                         f"{_UNSUPPORTED[name]}")
+    if importlib.util.find_spec("torchft") is None:
+        raise RuntimeError("BaguaStrategy(fault_tolerant=...) needs torchft: "
+                           "pip install 'bagua-algos[ft]'")
+    options.setdefault("lighthouse", os.environ.get("TORCHFT_LIGHTHOUSE", ""))
+    if not options["lighthouse"]:
+        raise ValueError("fault_tolerant needs the torchft Lighthouse's address: "
+                         "fault_tolerant={'lighthouse': 'http://host:port'} or the "
+                         "TORCHFT_LIGHTHOUSE environment variable")
+    options.setdefault("replica_id", os.environ.get("REPLICA_GROUP_ID")
+                       or socket.gethostname())
+    return options
+
+
 class BaguaStrategy(DDPStrategy):
     """Lightning strategy for data-parallel training with a bagua algorithm.
 
@@ -109,6 +155,13 @@ class BaguaStrategy(DDPStrategy):
             which needs the optimizer Lightning creates: pass ``"qadam"``).
         do_flatten: passed to :func:`~bagua_algos.with_bagua`.
         bucket_size: passed to :func:`~bagua_algos.with_bagua` (bytes; default 10 MiB).
+        fault_tolerant: ``True`` or a dict of :class:`bagua_algos.ft.FaultTolerant` options
+            (``lighthouse``, ``replica_id``, ``min_replicas``, ``timeout``,
+            ``quorum_timeout``, ``connect_timeout``, ``heartbeat_interval``): train
+            restart-free on torchft, one process per replica (``devices=1``, each replica
+            launched on its own).  ``lighthouse`` defaults to ``$TORCHFT_LIGHTHOUSE``,
+            ``replica_id`` to ``$REPLICA_GROUP_ID`` or the host name.  Needs the extra
+            ``bagua-algos[ft]``.
         **algorithm_kwargs: the algorithm's constructor arguments, e.g.
             ``BaguaStrategy(algorithm="bytegrad", hierarchical=False)``.
 
@@ -118,16 +171,19 @@ class BaguaStrategy(DDPStrategy):
     multiprocessing launcher).
 
     Raises:
-        ValueError: an unknown algorithm name or arguments its constructor does not take (at
-            construction, before any communication); for ``"qadam"``, optimizers other than
-            exactly one :class:`~bagua_algos.QAdamOptimizer` (at ``fit``, before wrapping).
+        RuntimeError: ``fault_tolerant`` without torchft installed.
+        ValueError: an unknown algorithm name or arguments its constructor does not take, a
+            bad ``fault_tolerant`` (at construction, before any communication); for
+            ``"qadam"``, optimizers other than exactly one
+            :class:`~bagua_algos.QAdamOptimizer` (at ``fit``, before wrapping).
     """
 
     strategy_name = "bagua"
 
     def __init__(self, algorithm: str | Algorithm = "gradient_allreduce", *,
                  do_flatten: bool = True, bucket_size: int | None = None,
-                 accelerator=None, parallel_devices=None, cluster_environment=None,
+                 fault_tolerant: bool | dict = False, accelerator=None,
+                 parallel_devices=None, cluster_environment=None,
                  checkpoint_io=None, precision_plugin=None,
                  process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout,
@@ -138,6 +194,8 @@ class BaguaStrategy(DDPStrategy):
                          process_group_backend=process_group_backend, timeout=timeout,
                          start_method=start_method)
         self._algorithm = self._check_algorithm(algorithm, algorithm_kwargs)
+        self._ft_options = _fault_tolerant_options(fault_tolerant, self._algorithm)
+        self._ft = None             # the FaultTolerant of the current fit
         self._algorithm_kwargs = dict(algorithm_kwargs)
         self._do_flatten = do_flatten
         self._bucket_size = bucket_size
@@ -211,7 +269,10 @@ class BaguaStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
             self.setup_precision_plugin()
             _optimizers_to_device(self.optimizers, self.root_device)
-            self.configure_bagua()
+            if self._ft_options is not None:
+                self._configure_fault_tolerant(trainer)
+            else:
+                self.configure_bagua()
         else:
             self._broadcast_module_states()
             self.setup_precision_plugin()
@@ -223,6 +284,44 @@ class BaguaStrategy(DDPStrategy):
         algorithm = self._make_algorithm(list(self.optimizers))
         self.model = with_bagua(self.model, list(self.optimizers), algorithm,
                                 do_flatten=self._do_flatten, bucket_size=self._bucket_size)
+
+    def _configure_fault_tolerant(self, trainer: pl.Trainer) -> None:
+        from .ft import FaultTolerant
+        if self.world_size != 1 or len(self.optimizers) != 1:
+            raise ValueError("fault_tolerant runs one process per replica with one optimizer: "
+                             f"got {self.world_size} processes (devices=1 per replica) and "
+                             f"{len(self.optimizers)} optimizers")
+        schedulers = [c.scheduler for c in self.lr_scheduler_configs]
+        if len(schedulers) > 1:
+            raise ValueError(f"fault_tolerant carries one LR scheduler, got {len(schedulers)}")
+        algorithm = self._make_algorithm(list(self.optimizers))
+        self._ft = FaultTolerant(self.lightning_module, self.optimizers[0], algorithm,
+                                 scheduler=schedulers[0] if schedulers else None,
+                                 do_flatten=self._do_flatten, bucket_size=self._bucket_size,
+                                 **self._ft_options)
+        self._ft._step_scheduler = False          # Lightning steps it (carried when healing)
+
+    @property
+    def fault_tolerant(self):
+        """The :class:`bagua_algos.ft.FaultTolerant` of the current fit (``None`` without
+        ``fault_tolerant`` or outside ``fit``)."""
+        return self._ft
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        """With ``fault_tolerant``: the step's quorum (and healing) before the closure's
+        forward and backward, then the optimizer steps only if the quorum commits."""
+        if self._ft is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        from .ft import Step
+        model = model or self.lightning_module
+        result = None
+        with Step(self._ft) as step:
+            self.model = self._ft.model
+            result = self.precision_plugin._wrap_closure(model, optimizer, closure)
+        if not step.committed:
+            log.warning(f"bagua_algos.lightning: step not committed ({step.error}); "
+                        "its optimizer step is skipped")
+        return result
 
     def configure_ddp(self) -> None:      # DDPStrategy's name for the same step
         self.configure_bagua()
@@ -254,6 +353,10 @@ class BaguaStrategy(DDPStrategy):
         super().on_exception(exception)
 
     def teardown(self) -> None:
+        if self._ft is not None:
+            ft, self._ft = self._ft, None
+            ft.close()
+            self.model = self.lightning_module
         if isinstance(self.model, BaguaModule):
             bagua_module = self.model
             try:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
+import urllib.parse
 from datetime import timedelta
 
 import torch
@@ -48,6 +50,16 @@ def is_comm_error(err: BaseException) -> bool:
     text = str(err).lower()
     return isinstance(err, RuntimeError) and any(
         s in text for s in ("gloo", "connection", "timed out", "broken pipe", "peer"))
+
+
+def _answers(address: str, timeout: float = 2.0) -> bool:
+    """Whether something accepts a TCP connection at ``address`` (``http://host:port``)."""
+    hostport = urllib.parse.urlsplit(address if "//" in address else f"//{address}")
+    try:
+        with socket.create_connection((hostport.hostname, hostport.port or 80), timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def _model_meta(module: torch.nn.Module, algorithm: Algorithm) -> dict:
@@ -137,6 +149,11 @@ class FaultTolerant:
         if algorithm.name in _UNSUPPORTED:
             raise ValueError(f"algorithm {algorithm.name!r} cannot run under FaultTolerant: "
                              f"{_UNSUPPORTED[algorithm.name]}")
+        if getattr(algorithm, "peer_selection_mode", None) == "shift_one":
+            raise ValueError("algorithm 'decentralized' with peer_selection_mode='shift_one' "
+                             "cannot run under FaultTolerant: it pairs ranks, so it needs an even "
+                             "number of replicas, and a quorum that loses or gains one has an odd "
+                             "number; use peer_selection_mode='all'")
         if not isinstance(lighthouse, str) or not lighthouse:
             raise ValueError(f"lighthouse must be the Lighthouse's address "
                              f"('http://host:port'), got {lighthouse!r}")
@@ -163,7 +180,11 @@ class FaultTolerant:
                                f"({err})") from None
 
         self._module, self.optimizer, self.algorithm = model, optimizer, algorithm
+        self._lighthouse, self._quorum_timeout = lighthouse, quorum_timeout
         self.scheduler, self.data = scheduler, data
+        # False where the training loop steps the scheduler itself (Lightning): it is still
+        # carried to a joining replica
+        self._step_scheduler = True
         self._wrap = {"bucket_size": bucket_size, "do_flatten": do_flatten}
         self._meta = _model_meta(model, algorithm)
         self.model: BaguaModule | None = None
@@ -235,7 +256,16 @@ class FaultTolerant:
         import time
         for attempt in range(1, _REBUILD_ATTEMPTS + 1):
             t0 = time.perf_counter()
-            self.manager.start_quorum()
+            try:
+                self.manager.start_quorum()
+            except Exception as err:        # torchft's Rust client: plain Exceptions
+                if isinstance(err, TimeoutError) or "timeout" in str(err).lower():
+                    # torchft's Manager cannot go on (its failed quorum is re-raised by every
+                    # later call) and its threads would keep the process from exiting
+                    lost = self._no_quorum(err)
+                    self.close()
+                    raise lost from err
+                raise
             healed, self._healed = self._healed, None
             if not (healed is not None or self._dirty or self.model is None
                     or self._pg.generation != self._generation):
@@ -262,6 +292,20 @@ class FaultTolerant:
         if self.data is not None:
             step.batch = self.data.next()
 
+    def _no_quorum(self, err: BaseException) -> RuntimeError:
+        """The error for a step that got no quorum within quorum_timeout: the Lighthouse
+        lost (its host died: nothing answers at its address) or too few replicas alive."""
+        if _answers(self._lighthouse):
+            why = ("the Lighthouse answers but formed no quorum with this replica (fewer than "
+                   "its min_replicas replicas alive?)")
+        else:
+            why = ("nothing answers at that address: the Lighthouse (or its host) is lost. "
+                   "torchft's Manager cannot go on after that: restart the Lighthouse and the "
+                   "replicas (from a checkpoint)")
+        return RuntimeError(f"bagua_algos.ft: no quorum from the torchft Lighthouse at "
+                            f"{self._lighthouse!r} within quorum_timeout="
+                            f"{self._quorum_timeout}: {why} ({type(err).__name__}: {err})")
+
     def _rebuild(self, healed: dict | None) -> None:
         """Wrap the model anew on the current quorum's group, carrying every piece of state
         (from the healthy peer when healing)."""
@@ -286,6 +330,12 @@ class FaultTolerant:
             data_state = healed["data"]
         self._pending = (own, data_state)
         self._group = bagua_group(self._pg)
+        # torch's Optimizer.load_state_dict (here when healing, in with_bagua on ranks > 0)
+        # adds keys to the optimizer's defaults ("differentiable") through __setstate__; a
+        # replica whose optimizer was never loaded lacks them, and QAdam's description in
+        # with_bagua's same-on-every-rank check includes its optimizer: every replica takes
+        # torch's own normalisation before each wrap
+        self.optimizer.__setstate__(self.optimizer.__getstate__())
         with _quiet("bagua_algos"):
             self.model = with_bagua(self._module, [self.optimizer], self.algorithm,
                                     group=self._group, **self._wrap)
@@ -303,7 +353,7 @@ class FaultTolerant:
         committed = self.manager.should_commit()
         if committed:
             self.optimizer.step()
-            if self.scheduler is not None:
+            if self.scheduler is not None and self._step_scheduler:
                 self.scheduler.step()
             if self.data is not None:
                 self.data.commit()
