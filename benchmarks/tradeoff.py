@@ -53,8 +53,7 @@ def _auto_time(runs, times, c, ddp, params) -> tuple[str | None, float | None]:
     and bucket size included), else the row of the rule's pick for the cell's network."""
     row = next((r for r in runs if r["algorithm"] == "auto" and r["status"] == "ok"), None)
     if row is not None:
-        pick = (row.get("auto_choice") or {}).get("algorithm")
-        return f"auto ({pick})", times.get("auto")
+        return (row.get("auto_choice") or {}).get("algorithm"), times.get("auto")
     pick = auto_pick(c[0], c[1], ddp["world_size"], 4 * params, ddp["compute_s"])
     # GradientAllReduce is DDP's maths bit for bit: DDP's time stands in where the cell has
     # no row of its own
@@ -63,7 +62,7 @@ def _auto_time(runs, times, c, ddp, params) -> tuple[str | None, float | None]:
     return pick, times.get(pick)
 
 
-def build_map(report: dict) -> list[dict]:
+def build_map(report: dict, exclude=()) -> list[dict]:
     """One entry per cell of an e2e report: every algorithm's time, the winner and margins."""
     out = []
     params = report["model"]["params"]
@@ -88,6 +87,8 @@ def build_map(report: dict) -> list[dict]:
                 entry["winner_vs_ddp"] = times["ddp"] / reached[0][0]
         if ddp is not None:
             entry["auto"], t = _auto_time(runs, times, c, ddp, params)
+            if entry["auto"] in exclude:
+                entry["auto"], t = None, None    # a map without the rule's pick: no score
             entry["auto_vs_best"] = t / reached[0][0] if t and reached else None
         out.append(entry)
     return out
@@ -142,6 +143,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"a tiny grid: {QUICK}")
     ap.add_argument("--from-json", type=Path, nargs="+",
                     help="map existing e2e.py JSONs (their cells together); run nothing")
+    ap.add_argument("--exclude", default="",
+                    help="comma list of rows left out of the map (e.g. diloco,local_sgd,auto: "
+                         "the map among algorithms that communicate every step)")
     ap.add_argument("--json", type=Path, default=Path("out/tradeoff/tradeoff.json"))
     ap.add_argument("--plot", type=Path, default=Path("out/tradeoff/tradeoff.png"))
     args, e2e_args = ap.parse_known_args(argv)
@@ -158,7 +162,9 @@ def main(argv=None) -> int:
         e2e.main([*extra, *e2e_args, "--json", str(e2e_json),
                   "--plot", str(args.plot.with_name(args.plot.stem + "-e2e.png"))])
         report = json.loads(e2e_json.read_text())
-    entries = build_map(report)
+    drop = {a.strip() for a in args.exclude.split(",") if a.strip()}
+    report = {**report, "runs": [r for r in report["runs"] if r["algorithm"] not in drop]}
+    entries = build_map(report, exclude=drop)
     png = heatmap(entries, args.plot)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"config": report.get("config"), "cells": entries,

@@ -36,10 +36,15 @@ def test_bad_fault_tolerant_is_refused_at_construction(value, rule, monkeypatch)
         BaguaStrategy("gradient_allreduce", fault_tolerant=value)
 
 
-def test_async_is_refused_and_the_address_comes_from_the_environment(monkeypatch):
+def test_async_is_refused_even_without_torchft():
     from bagua_algos.lightning import BaguaStrategy
     with pytest.raises(ValueError, match="'async' cannot run with fault_tolerant"):
         BaguaStrategy("async", fault_tolerant={"lighthouse": "http://h:1"})
+
+
+def test_the_address_comes_from_the_environment(monkeypatch):
+    pytest.importorskip("torchft")
+    from bagua_algos.lightning import BaguaStrategy
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://h:2")
     monkeypatch.setenv("REPLICA_GROUP_ID", "host7")
     s = BaguaStrategy("bytegrad", fault_tolerant={"timeout": timedelta(seconds=3)})
@@ -55,7 +60,7 @@ def test_without_torchft_the_error_names_the_extra(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "torchft" else real(name, *a))
     with pytest.raises(RuntimeError, match=r"bagua-algos\[ft\]"):
-        BaguaStrategy("bytegrad", fault_tolerant=True)
+        BaguaStrategy("bytegrad", fault_tolerant={"lighthouse": "http://h:1"})
 
 
 @pytest.mark.timeout(240)

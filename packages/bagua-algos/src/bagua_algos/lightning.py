@@ -132,9 +132,6 @@ def _fault_tolerant_options(fault_tolerant, algorithm) -> dict | None:
     if name in _UNSUPPORTED:
         raise ValueError(f"algorithm {name!r} cannot run with fault_tolerant: "
                          f"{_UNSUPPORTED[name]}")
-    if importlib.util.find_spec("torchft") is None:
-        raise RuntimeError("BaguaStrategy(fault_tolerant=...) needs torchft: "
-                           "pip install 'bagua-algos[ft]'")
     options.setdefault("lighthouse", os.environ.get("TORCHFT_LIGHTHOUSE", ""))
     if not options["lighthouse"]:
         raise ValueError("fault_tolerant needs the torchft Lighthouse's address: "
@@ -142,6 +139,10 @@ def _fault_tolerant_options(fault_tolerant, algorithm) -> dict | None:
                          "TORCHFT_LIGHTHOUSE environment variable")
     options.setdefault("replica_id", os.environ.get("REPLICA_GROUP_ID")
                        or socket.gethostname())
+    # last: every argument error is named first, with or without torchft installed
+    if importlib.util.find_spec("torchft") is None:
+        raise RuntimeError("BaguaStrategy(fault_tolerant=...) needs torchft: "
+                           "pip install 'bagua-algos[ft]'")
     return options
 
 
