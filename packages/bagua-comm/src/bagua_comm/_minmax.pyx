@@ -316,7 +316,7 @@ def decode4(const uint8_t[::1] payload, Py_ssize_t record, Py_ssize_t header,
             Py_ssize_t chunks, const float[::1] mins, const float[::1] maxs, float[::1] out):
     """``out[c * m + i] = (q + lower) / scale`` in float32, two codes per byte."""
     cdef Py_ssize_t m = out.shape[0] // chunks
-    cdef Py_ssize_t c, k
+    cdef Py_ssize_t c
     cdef int b
     cdef float scale, lower
     cdef float pairs[512]  # byte b -> its two decoded values (16 levels: one division each)
