@@ -116,16 +116,14 @@ def _build(name: str, model, args, harness):
     return bagua_algos.with_bagua(model, [opt], algo), opt
 
 
-def _choose_sync_every(args, compute_s: float, budget_s: float | None, harness) -> int:
+def _choose_sync_every(args, slowest_compute_s: float, budget_s: float | None) -> int:
     """``--sync-every`` if given, else ``sync_every_for`` DDP's step time in this job (or
     ``--ddp-seconds``) and the slowest rank's compute time: the same on every rank."""
     if args.sync_every:
         return args.sync_every
     ddp_step = args.ddp_step_s or (args.ddp_seconds / args.steps if args.ddp_seconds else 0.0)
-    slowest = torch.tensor([compute_s], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=harness)
     budget = budget_s or args.budget_factor * ddp_step * args.steps or args.wall_seconds
-    return sync_every_for(ddp_step, float(slowest), max(budget, args.wall_seconds))
+    return sync_every_for(ddp_step, slowest_compute_s, max(budget, args.wall_seconds))
 
 
 def _compute_time(model, batches, steps: int = 3) -> float:
@@ -215,18 +213,18 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
             budget_s: float | None) -> dict:
     model = make_model(args.size, seed=args.seed)
     compute_s = _compute_time(copy.deepcopy(model), train)
+    slowest = torch.tensor([compute_s], dtype=torch.float64)   # the same on every rank
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=harness)
+    args.row_compute_s = float(slowest)
     if split_row(name)[0] in SYNC_ROWS:
         if name == "ft_diloco" and "diloco" in args.sync_every_of:
             args.chosen_sync_every = args.sync_every_of["diloco"]   # the peer: the same H
         else:   # the rule's H once per job (a sweep row scales it, or fixes its own)
             if args.rule_sync_every is None:
-                args.rule_sync_every = _choose_sync_every(args, compute_s, budget_s, harness)
+                args.rule_sync_every = _choose_sync_every(args, args.row_compute_s, budget_s)
             args.chosen_sync_every = sync_every_of_row(name, args.rule_sync_every)
         args.sync_every_of[name] = args.chosen_sync_every
     args.row_close = None
-    slowest = torch.tensor([compute_s], dtype=torch.float64)   # the same on every rank
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=harness)
-    args.row_compute_s = float(slowest)
     wrapped, opt = _build(name, model, args, harness)
 
     def step(x, y) -> float:
