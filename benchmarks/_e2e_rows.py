@@ -13,7 +13,6 @@ average inside a node); ``bytegrad_flat`` is ByteGrad forced flat, beside it.
 
 from __future__ import annotations
 
-import math
 import threading
 
 import torch
@@ -123,15 +122,23 @@ def bagua_spec(row: str, procs_per_host: int, *, warmup: int = 2,
 
 def sync_every_for(ddp_step_s: float, compute_s: float, budget_s: float, *,
                    overhead: float = 0.1, min_syncs: int = 8) -> int:
-    """``sync_every`` for the workload: one sync costs about what DDP's allreduce costs in a
-    step (``ddp_step_s - compute_s``: the same bytes, once); spread over H local steps it
-    should add at most ``overhead`` (10%) to their compute, so H >= comm / (overhead x
-    compute).  H is capped so that the row's time budget holds at least ``min_syncs`` syncs
-    (budget / compute / min_syncs steps), and kept within [2, 512]."""
-    comm = max(0.0, ddp_step_s - compute_s)
-    want = math.ceil(comm / (overhead * max(compute_s, 1e-6)))
-    cap = int(budget_s / max(compute_s, 1e-6) / min_syncs)
-    return max(2, min(want, cap, 512))
+    """``sync_every`` for the workload, by the rule ``recommend`` uses
+    (``bagua_algos._recommend.diloco_sync_every``): one sync costs about what DDP's allreduce
+    costs in a step (``ddp_step_s - compute_s``: the same bytes, once); spread over H local
+    steps it should add at most ``overhead`` (10%) to their compute, so H >= comm /
+    (overhead x compute), capped so that the row's time budget (``budget_s / compute_s``
+    steps) holds at least ``min_syncs`` syncs, within [2, 512]."""
+    from bagua_algos._recommend import diloco_sync_every
+
+    return diloco_sync_every(max(0.0, ddp_step_s - compute_s), compute_s, overhead,
+                             total_steps=planned_steps(budget_s, compute_s),
+                             min_syncs=min_syncs)
+
+
+def planned_steps(budget_s: float, compute_s: float) -> int:
+    """The steps a row's time budget holds at ``compute_s`` a step (what ``recommend``'s
+    ``total_steps`` is told in the ``auto`` row: the run length a user would know)."""
+    return max(1, int(budget_s / max(compute_s, 1e-6)))
 
 
 def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2, warmup: int = 2,

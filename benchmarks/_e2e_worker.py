@@ -38,6 +38,7 @@ from _e2e_rows import (
     AllReduceCounter,
     bagua_spec,
     build_torch,
+    planned_steps,
     powersgd_start,
     split_row,
     sync_every_for,
@@ -80,7 +81,10 @@ def _build(name: str, model, args, harness):
         t0 = time.perf_counter()
         # recommend() with the step's computation time (the harness measured it, a user
         # times a step): then communicating rarely (DiLoCo) is a candidate too
-        rec = bagua_algos.recommend(model, compute_s=args.row_compute_s)
+        # and the run's length in steps (as the DiLoCo rows' rule is told it: the same cap on H)
+        rec = bagua_algos.recommend(model, compute_s=args.row_compute_s,
+                                    total_steps=planned_steps(args.row_budget_s,
+                                                              args.row_compute_s))
         wrapped = bagua_algos.with_bagua(model, [opt], rec.algorithm,
                                          bucket_size=rec.bucket_size)
         args.auto_choice = {"algorithm": wrapped.algorithm.name, "kwargs": rec.kwargs,
@@ -122,8 +126,14 @@ def _choose_sync_every(args, slowest_compute_s: float, budget_s: float | None) -
     if args.sync_every:
         return args.sync_every
     ddp_step = args.ddp_step_s or (args.ddp_seconds / args.steps if args.ddp_seconds else 0.0)
+    return sync_every_for(ddp_step, slowest_compute_s, _row_budget(args, budget_s))
+
+
+def _row_budget(args, budget_s: float | None) -> float:
+    """A row's training time budget (seconds), as the rows after DDP's will be given it."""
+    ddp_step = args.ddp_step_s or (args.ddp_seconds / args.steps if args.ddp_seconds else 0.0)
     budget = budget_s or args.budget_factor * ddp_step * args.steps or args.wall_seconds
-    return sync_every_for(ddp_step, slowest_compute_s, max(budget, args.wall_seconds))
+    return max(budget, args.wall_seconds)
 
 
 def _compute_time(model, batches, steps: int = 3) -> float:
@@ -216,6 +226,7 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
     slowest = torch.tensor([compute_s], dtype=torch.float64)   # the same on every rank
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=harness)
     args.row_compute_s = float(slowest)
+    args.row_budget_s = _row_budget(args, budget_s)
     if split_row(name)[0] in SYNC_ROWS:
         if name == "ft_diloco" and "diloco" in args.sync_every_of:
             args.chosen_sync_every = args.sync_every_of["diloco"]   # the peer: the same H

@@ -184,4 +184,21 @@ def test_with_the_computation_known_communicating_rarely_is_a_candidate():
     assert "diloco" not in choose(10, 0, 4, 5.76e6)[3]
     # A fast network: the exact allreduce, whatever the computation.
     assert choose(10_000, 0.05, 4, 5.76e6, compute_s=0.29)[0] == "gradient_allreduce"
-    assert diloco_sync_every(0.0, 1.0) == 8 and diloco_sync_every(1e6, 1e-3) == 512
+    assert diloco_sync_every(0.0, 1.0) == 2 and diloco_sync_every(1e6, 1e-3) == 512
+
+
+def test_a_known_run_length_caps_sync_every_so_the_run_holds_eight_syncs():
+    from bagua_algos._recommend import diloco_sync_every
+
+    ring = 1.5 * 5.76e6 / (10e6 / 8)          # 6.9 s of allreduce against 0.29 s of compute
+    free = diloco_sync_every(ring, 0.29)
+    assert free == math.ceil(ring / 0.029) > 200
+    assert diloco_sync_every(ring, 0.29, total_steps=400) == 50      # 400 // 8
+    assert diloco_sync_every(ring, 0.29, total_steps=10) == 2        # never below 2
+    assert diloco_sync_every(ring, 0.29, total_steps=10**6) == free  # a long run: the rule's
+    # choose() passes it on: the rule's H in the algorithm's kwargs
+    name, kwargs, _, _ = choose(10, 0, 4, 5.76e6, compute_s=0.29, total_steps=400)
+    assert name == "diloco" and kwargs["sync_every"] == 50
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="total_steps"):
+            choose(10, 0, 4, 5.76e6, compute_s=0.29, total_steps=bad)

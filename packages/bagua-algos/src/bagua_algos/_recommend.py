@@ -50,11 +50,20 @@ STEPS_FACTOR = {"gradient_allreduce": 1.0, "bytegrad": 1.05, "decentralized": 1.
                 "diloco": 2.5}
 
 
-def diloco_sync_every(comm_s: float, compute_s: float, overhead: float = 0.1) -> int:
-    """DiLoCo's ``sync_every`` for a step of ``compute_s`` whose full allreduce would take
-    ``comm_s``: one sync spread over H steps adds at most ``overhead`` of their compute
-    (benchmarks' rule, without their time budget), within [8, 512]."""
-    return int(min(512, max(8, math.ceil(comm_s / (overhead * max(compute_s, 1e-6))))))
+def diloco_sync_every(comm_s: float, compute_s: float, overhead: float = 0.1, *,
+                      total_steps: int | None = None, min_syncs: int = 8) -> int:
+    """DiLoCo's ``sync_every`` (H) for a step of ``compute_s`` whose full allreduce would take
+    ``comm_s``: one sync spread over H steps adds at most ``overhead`` (10%) of their compute,
+    H >= comm / (overhead x compute).  With ``total_steps`` (the run's planned optimizer
+    steps), H is capped so that the run holds at least ``min_syncs`` syncs (a run that never
+    syncs is ``world`` separate runs).  Within [2, 512].  The main job's DiLoCo rows use this
+    same rule (benchmarks/_e2e_rows.py), with the row's time budget as ``total_steps``."""
+    want = math.ceil(max(0.0, comm_s) / (overhead * max(compute_s, 1e-6)))
+    if total_steps is not None:
+        want = min(want, int(total_steps) // min_syncs)
+    return int(min(512, max(2, want)))
+
+
 #: Scores within this ratio of the exact algorithm's count as a tie (it wins); wider when the
 #: step's computation is unknown (the steps factors then only weigh the communication).
 TIE, TIE_UNKNOWN_COMPUTE = 1.05, 1.5
@@ -125,14 +134,16 @@ def bucket_size_for(name: str, bandwidth_mbit: float, latency_ms: float, nodes: 
 
 
 def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_bytes: float, *,
-           compute_s: float = 0.0, nodes: int | None = None) -> tuple[str, dict, str, dict]:
+           compute_s: float = 0.0, nodes: int | None = None,
+           total_steps: int | None = None) -> tuple[str, dict, str, dict]:
     """The rule: ``(name, kwargs, reason, scores)`` for a network and a model.
 
     ``bandwidth_mbit``/``latency_ms`` (one way) between nodes, ``model_bytes`` the gradient
     bytes per step, ``compute_s`` a step's computation (0: unknown, communication only).
     With the computation known, DiLoCo (train locally, average every H steps) is a candidate
     too: its cost only makes sense against it (``with_bagua(..., "auto")`` does not know it;
-    ``recommend(model, compute_s=...)`` does).
+    ``recommend(model, compute_s=...)`` does); ``total_steps`` (the run's planned steps) caps
+    its H so that the run holds at least 8 syncs (:func:`diloco_sync_every`).
     Raises ``ValueError`` naming the argument for a non-positive bandwidth, a negative latency
     or compute time, or a world size below 1.
     """
@@ -140,9 +151,13 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
                         ("latency_ms", latency_ms, latency_ms >= 0),
                         ("model_bytes", model_bytes, model_bytes >= 0),
                         ("compute_s", compute_s, compute_s >= 0),
+                        ("total_steps", total_steps, total_steps is None or (
+                            isinstance(total_steps, int) and not isinstance(total_steps, bool)
+                            and total_steps >= 1)),
                         ("world_size", world_size, world_size >= 1)):
         if not ok:
-            raise ValueError(f"{name} must be {'>= 1' if name == 'world_size' else '>= 0'}"
+            raise ValueError(f"{name} must be "
+                             f"{'an int >= 1' if name in ('world_size', 'total_steps') else '>= 0'}"
                              f"{' and > 0' if name == 'bandwidth_mbit' else ''}, got {v!r}")
     nodes = world_size if nodes is None else nodes
     hier = nodes < world_size
@@ -161,7 +176,7 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
     }
     h = None
     if compute_s > 0:    # communicating rarely pays only against a known computation time
-        h = diloco_sync_every(comm["gradient_allreduce"], compute_s)
+        h = diloco_sync_every(comm["gradient_allreduce"], compute_s, total_steps=total_steps)
         comm["diloco"] = comm["gradient_allreduce"] / h
     scores = {a: (compute_s + c) * STEPS_FACTOR[a] for a, c in comm.items()}
     best = min(scores, key=scores.get)
@@ -250,13 +265,17 @@ def measure_network(group=None, *, time_limit_s: float = 3.0) -> NetworkMeasurem
 
 
 def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None = None,
-              group=None, compute_s: float = 0.0, time_limit_s: float = 3.0,
+              group=None, compute_s: float = 0.0, total_steps: int | None = None,
+              time_limit_s: float = 3.0,
               measurement: NetworkMeasurement | None = None) -> Recommendation:
     """Measure the network (unless ``measurement`` is given) and pick the algorithm for it.
 
     Collective: every rank of ``group`` calls it; every rank gets the same answer (rank 0's,
     broadcast).  Logs one line (logger ``bagua_algos.recommend``, and stderr on rank 0) with
-    what it measured and why it chose.  ``BAGUA_ALGORITHM=<registry name>`` overrules it: no
+    what it measured and why it chose.  ``compute_s`` (a step's forward, backward and
+    optimizer step, seconds) makes DiLoCo a candidate; ``total_steps`` (the run's planned
+    optimizer steps) caps its ``sync_every`` so that the run holds at least 8 syncs.
+    ``BAGUA_ALGORITHM=<registry name>`` overrules it: no
     measurement, that algorithm.
     """
     from .algorithm import Algorithm
@@ -274,7 +293,8 @@ def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None
     group = bc.get_default_group() if group is None else group
     m = measurement or measure_network(group, time_limit_s=time_limit_s)
     name, kwargs, why, scores = choose(m.bandwidth_mbit, m.latency_ms, m.world_size,
-                                       model_bytes, compute_s=compute_s, nodes=m.nodes)
+                                       model_bytes, compute_s=compute_s, nodes=m.nodes,
+                                       total_steps=total_steps)
     bucket = bucket_size_for(name, m.bandwidth_mbit, m.latency_ms, m.nodes, model_bytes)
     name, kwargs, bucket = bc.broadcast_object((name, kwargs, bucket), src=0, group=group)
     line = (f"bagua auto: {name}{kwargs} -- measured {m.bandwidth_mbit:.0f} Mbit/s, "
