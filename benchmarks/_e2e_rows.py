@@ -25,13 +25,17 @@ HIERARCHICAL = ("gradient_allreduce", "bytegrad", "decentralized", "low_precisio
 DEFAULT_ROWS = ["ddp", "ddp_fp16", "ddp_powersgd", "ddp_bytegrad_hook", "gradient_allreduce",
                 "bytegrad",
                 "bytegrad_flat", "decentralized", "decentralized_shift_one",
-                "low_precision_decentralized", "async", "qadam", "local_sgd", "diloco", "ft_diloco",
+                "low_precision_decentralized", "async", "qadam", "local_sgd", "diloco", "diloco_u4",
+                "ft_diloco",
                 "topk", "low_rank", "auto"]
 # "auto": with_bagua(model, [opt], "auto") as a user runs it (network measured at the start,
 # the rule's algorithm and bucket size); the trade-off map scores the choice by this row
 # Communicate every sync_every steps (sync_every_for); ft_diloco (torchft's DiLoCo, the peer:
 # benchmarks/_e2e_ft.py) runs with the sync_every the diloco row chose.
 SYNC_ROWS = ("local_sgd", "diloco", "diloco_u8", "diloco_u4", "ft_diloco")
+# A compressed DiLoCo row's outer-gradient bytes per sync as a fraction of float32's: the rule
+# gives it its own H (a 4-bit sync costs 1/8 of the allreduce, so it can sync ~8x as often)
+OUTER_BYTES = {"diloco_u8": 1 / 4, "diloco_u4": 1 / 8}
 # The full run's sweep of DiLoCo's H around the rule's choice (rows "diloco@x0.5" ...; a row
 # "diloco@64" fixes H=64): DESIGN's H is a knob the user picks, so the main job shows how time
 # to DDP's loss and bytes move with it instead of one point.
@@ -77,7 +81,8 @@ _VARIANTS = {  # row name: (registry name, fixed keyword arguments)
     "topk_1pct_u4": ("topk", {"density": 0.01}),
     "low_rank": ("low_rank", {"rank": 2}),         # as ddp_powersgd's default rank
     # DiLoCo with its outer gradient min-max quantised (8- or 4-bit) with error feedback, as
-    # INTELLECT-1 (int8) and Streaming DiLoCo (4-bit) send it: opt-in rows
+    # INTELLECT-1 (int8) and Streaming DiLoCo (4-bit) send it, each at the H the rule gives
+    # its bytes (OUTER_BYTES); diloco_u4 is a default row, diloco_u8 opt-in
     "diloco_u8": ("diloco", {}),
     "diloco_u4": ("diloco", {}),
 }
@@ -121,16 +126,18 @@ def bagua_spec(row: str, procs_per_host: int, *, warmup: int = 2,
 
 
 def sync_every_for(ddp_step_s: float, compute_s: float, budget_s: float, *,
-                   overhead: float = 0.1, min_syncs: int = 8) -> int:
+                   overhead: float = 0.1, min_syncs: int = 8, bytes_scale: float = 1.0) -> int:
     """``sync_every`` for the workload, by the rule ``recommend`` uses
     (``bagua_algos._recommend.diloco_sync_every``): one sync costs about what DDP's allreduce
-    costs in a step (``ddp_step_s - compute_s``: the same bytes, once); spread over H local
-    steps it should add at most ``overhead`` (10%) to their compute, so H >= comm /
-    (overhead x compute), capped so that the row's time budget (``budget_s / compute_s``
-    steps) holds at least ``min_syncs`` syncs, within [2, 512]."""
+    costs in a step (``ddp_step_s - compute_s``: the same bytes, once; ``bytes_scale`` of it
+    for a compressed outer gradient); spread over H local steps it should add at most
+    ``overhead`` (10%) to their compute, so H >= comm / (overhead x compute), capped so that
+    the row's time budget (``budget_s / compute_s`` steps) holds at least ``min_syncs``
+    syncs, within [2, 512]."""
     from bagua_algos._recommend import diloco_sync_every
 
-    return diloco_sync_every(max(0.0, ddp_step_s - compute_s), compute_s, overhead,
+    comm = max(0.0, ddp_step_s - compute_s) * bytes_scale
+    return diloco_sync_every(comm, compute_s, overhead,
                              total_steps=planned_steps(budget_s, compute_s),
                              min_syncs=min_syncs)
 

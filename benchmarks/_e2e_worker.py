@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _e2e_model import MarkovText, lm_loss, make_model, num_params
 from _e2e_rows import (
     HOOK_ROWS,
+    OUTER_BYTES,
     SYNC_ROWS,
     TORCH_ROWS,
     AllReduceCounter,
@@ -120,13 +121,17 @@ def _build(name: str, model, args, harness):
     return bagua_algos.with_bagua(model, [opt], algo), opt
 
 
-def _choose_sync_every(args, slowest_compute_s: float, budget_s: float | None) -> int:
+def _choose_sync_every(args, slowest_compute_s: float, budget_s: float | None, *,
+                       bytes_scale: float = 1.0) -> int:
     """``--sync-every`` if given, else ``sync_every_for`` DDP's step time in this job (or
-    ``--ddp-seconds``) and the slowest rank's compute time: the same on every rank."""
+    ``--ddp-seconds``) and the slowest rank's compute time: the same on every rank.
+    ``bytes_scale``: the row's outer-gradient bytes as a fraction of float32's (a 4-bit row
+    pays 1/8 of the allreduce per sync, so the rule gives it an H about 8x smaller)."""
     if args.sync_every:
         return args.sync_every
     ddp_step = args.ddp_step_s or (args.ddp_seconds / args.steps if args.ddp_seconds else 0.0)
-    return sync_every_for(ddp_step, slowest_compute_s, _row_budget(args, budget_s))
+    return sync_every_for(ddp_step, slowest_compute_s, _row_budget(args, budget_s),
+                          bytes_scale=bytes_scale)
 
 
 def _row_budget(args, budget_s: float | None) -> float:
@@ -231,9 +236,14 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
         if name == "ft_diloco" and "diloco" in args.sync_every_of:
             args.chosen_sync_every = args.sync_every_of["diloco"]   # the peer: the same H
         else:   # the rule's H once per job (a sweep row scales it, or fixes its own)
-            if args.rule_sync_every is None:
-                args.rule_sync_every = _choose_sync_every(args, args.row_compute_s, budget_s)
-            args.chosen_sync_every = sync_every_of_row(name, args.rule_sync_every)
+            if args.rule_inputs is None:
+                args.rule_inputs = (args.row_compute_s, budget_s)
+            base = split_row(name)[0]
+            # fp32's H is the sweep's reference; a compressed row's rule counts its own bytes
+            rule = _choose_sync_every(args, *args.rule_inputs,
+                                      bytes_scale=OUTER_BYTES.get(base, 1.0) if base == name
+                                      else 1.0)
+            args.chosen_sync_every = sync_every_of_row(name, rule)
         args.sync_every_of[name] = args.chosen_sync_every
     args.row_close = None
     wrapped, opt = _build(name, model, args, harness)
@@ -391,7 +401,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     args.ddp_step_s, args.chosen_sync_every, args.sync_every_of = 0.0, None, {}
-    args.rule_sync_every = None
+    args.rule_inputs = None   # (compute, budget) of the first sync row: its rule's inputs
     args.auto_choice = None
     torch.set_num_threads(1)
     try:
