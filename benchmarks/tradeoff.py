@@ -22,6 +22,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _e2e_report import cell, cell_label, cells  # noqa: E402
+from _e2e_rows import planned_steps  # noqa: E402
 
 GRID = {"bandwidths": "10,100,1000", "latencies": "0,5,50", "hosts": "4"}
 QUICK = {"bandwidths": "100", "latencies": "0,5", "hosts": "2", "size": "tiny", "steps": "4",
@@ -29,13 +30,16 @@ QUICK = {"bandwidths": "100", "latencies": "0,5", "hosts": "2", "size": "tiny", 
 AUTO_ROW = {"decentralized": "decentralized_shift_one"}  # the rule's pick -> e2e's row
 
 
-def auto_pick(bw, lat, world: int, model_bytes: float, compute_s: float) -> str | None:
-    """The e2e row the automatic choice runs in a cell (None: bagua_algos not importable)."""
+def auto_pick(bw, lat, world: int, model_bytes: float, compute_s: float,
+              total_steps: int | None = None) -> str | None:
+    """The e2e row the automatic choice runs in a cell (None: bagua_algos not importable);
+    ``total_steps``: the rows' budget in steps, as the ``auto`` row tells ``recommend``."""
     try:
         from bagua_algos._recommend import choose
     except ImportError:
         return None
-    name = choose(bw or 100_000, lat, world, model_bytes, compute_s=compute_s)[0]
+    name = choose(bw or 100_000, lat, world, model_bytes, compute_s=compute_s,
+                  total_steps=total_steps)[0]
     return AUTO_ROW.get(name, name)
 
 
@@ -54,7 +58,9 @@ def _auto_time(runs, times, c, ddp, params) -> tuple[str | None, float | None]:
     row = next((r for r in runs if r["algorithm"] == "auto" and r["status"] == "ok"), None)
     if row is not None:
         return (row.get("auto_choice") or {}).get("algorithm"), times.get("auto")
-    pick = auto_pick(c[0], c[1], ddp["world_size"], 4 * params, ddp["compute_s"])
+    steps = (planned_steps(ddp["budget_s"], ddp["compute_s"])
+             if ddp.get("budget_s") and ddp.get("compute_s") else None)
+    pick = auto_pick(c[0], c[1], ddp["world_size"], 4 * params, ddp["compute_s"], steps)
     # GradientAllReduce is DDP's maths bit for bit: DDP's time stands in where the cell has
     # no row of its own
     if pick not in times and pick == "gradient_allreduce":
