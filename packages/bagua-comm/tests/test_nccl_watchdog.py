@@ -256,8 +256,18 @@ def test_a_blocked_rank_is_ended_with_status_1(tmp_path):
 
 
 _OLD = r"""
-import time, bagua_comm._nccl_loader as L
+import threading, time, bagua_comm._nccl_loader as L
+import bagua_comm._nccl_watchdog as wd
 from bagua_comm._nccl_watchdog import Watchdog
+# The abort runs on a daemon thread of its own, after the error is recorded: wait for it
+# to log, or the process may exit first (seen in CI under load)
+aborted, _abort = threading.Event(), wd._abort
+def _logged_abort(w):
+    try:
+        _abort(w)
+    finally:
+        aborted.set()
+wd._abort = _logged_abort
 n = L.load()
 dog = Watchdog(interval=0.02, exit_grace=60)
 comm = n.NcclCommunicator(1, n.get_unique_id(), 0)
@@ -269,6 +279,7 @@ w.track(Never())
 t0 = time.monotonic()
 while w.error is None and time.monotonic() - t0 < 10:
     time.sleep(0.01)
+aborted.wait(10)
 print(w.can_poll, "|", w.error)
 """
 
