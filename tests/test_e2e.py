@@ -284,3 +284,31 @@ def test_auto_row_runs_the_automatic_choice_and_says_what_it_chose(tmp_path):
     assert auto["auto_choice"]["setup_s"] < 10
     assert auto["loss"] == pytest.approx(runs["ddp"]["loss"], rel=1e-4)
     assert "chose gradient_allreduce" in markdown(report["runs"])
+
+
+def test_diloco_targets_take_the_fastest_diloco_row_and_each_rows_bytes_at_its_own_h():
+    """Issue 24's targets from a report: time from the fastest DiLoCo row (4-bit included),
+    bytes per row at the H the rule gave it, measured when the window held a sync and one
+    allreduce per H steps (times the compression) when it did not."""
+    from _e2e_report import check_targets
+
+    def run(name, t, **kw):
+        return {"algorithm": name, "status": "ok", "bandwidth_mbit": 100, "latency_ms": 0,
+                "world_size": 4, "procs_per_host": 1, "time_to_ddp_loss_s": t,
+                "speedup_vs_ddp": 1.0, "comm_s": 1.7 if name == "ddp" else 0.0,
+                "step_s": 1.98 if name == "ddp" else 0.3, **kw}
+
+    runs = [run("ddp", 59.3, bytes_per_step=19.85e6, window_steps=30),
+            run("diloco", 36.3, sync_every=33, window_steps=30, bytes_per_step=0.0),
+            run("diloco_u4", 26.8, sync_every=7, window_steps=30, bytes_per_step=0.335e6),
+            run("ft_diloco", 41.4, sync_every=33, window_steps=30, bytes_per_step=0.0)]
+    got = {(t["target"].split(" (")[0].split(" at the")[0], t["algorithm"]): t
+           for t in check_targets(runs)}
+    time = got[("DiLoCo time to DDP's loss vs DDP's, 4 hosts", "diloco_u4")]
+    assert time["value"] == pytest.approx(26.8 / 59.3) and not time["met"]
+    peer = got[("DiLoCo ahead of torchft's DiLoCo", "diloco_u4")]
+    assert peer["value"] == pytest.approx(41.4 / 26.8) and peer["met"]
+    fp32 = got[("DiLoCo bytes per step vs DDP's", "diloco")]
+    assert fp32["value"] == pytest.approx(1 / 33) and not fp32["met"]
+    u4 = got[("DiLoCo bytes per step vs DDP's", "diloco_u4")]
+    assert u4["value"] == pytest.approx(0.335 / 19.85) and u4["met"]
