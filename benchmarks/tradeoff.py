@@ -65,6 +65,8 @@ def _auto_time(runs, times, c, ddp, params) -> tuple[str | None, float | None]:
     # no row of its own
     if pick not in times and pick == "gradient_allreduce":
         return pick, times.get("ddp")
+    if pick == "diloco" and "diloco_u4" in times:   # recommend's DiLoCo sends 4 bits
+        return pick, times.get("diloco_u4")
     return pick, times.get(pick)
 
 

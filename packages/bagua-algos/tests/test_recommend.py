@@ -171,15 +171,23 @@ def test_negligible_communication_keeps_the_exact_allreduce():
 
 
 def test_with_the_computation_known_communicating_rarely_is_a_candidate():
-    from bagua_algos._recommend import STEPS_FACTOR, diloco_sync_every
+    from bagua_algos._recommend import CODEC_S_PER_BYTE, diloco_steps_factor, diloco_sync_every
+    from bagua_comm.compression import MinMaxUInt4
 
     # The map's 10 Mbit/s cell: 4 hosts, a 5.8 MB model, 0.29 s of compute per step.
     name, kwargs, why, scores = choose(10, 0, 4, 5.76e6, compute_s=0.29)
     ring = 1.5 * 5.76e6 / (10e6 / 8)
-    h = diloco_sync_every(ring, 0.29)
-    assert name == "diloco" and kwargs["sync_every"] == h == math.ceil(ring / 0.029)
-    assert scores["diloco"] == pytest.approx((0.29 + ring / h) * STEPS_FACTOR["diloco"])
-    assert "every" in why
+    # DiLoCo as recommend runs it: a 4-bit outer gradient (an eighth of the bytes + the codec)
+    sync = ring / 8 + 2 * CODEC_S_PER_BYTE * 5.76e6
+    h = diloco_sync_every(sync, 0.29)
+    assert name == "diloco" and kwargs["sync_every"] == h == math.ceil(sync / 0.029) == 31
+    comp = kwargs["compressor"]
+    assert isinstance(comp, MinMaxUInt4) and comp.chunks == 4 and comp.error_feedback
+    assert scores["diloco"] == pytest.approx((0.29 + sync / h) * (1 + 0.4 * math.log(h)))
+    assert diloco_steps_factor(1) == 1.0 and diloco_steps_factor(33) > diloco_steps_factor(7)
+    assert "every" in why and "4 bits" in why
+    # Hierarchical (2 nodes of 2 ranks): one chunk per node leader, who exchange it
+    assert choose(10, 0, 4, 5.76e6, compute_s=0.29, nodes=2)[1]["compressor"].chunks == 2
     # Unknown computation: never DiLoCo (its cost is meaningless without it).
     assert "diloco" not in choose(10, 0, 4, 5.76e6)[3]
     # A fast network: the exact allreduce, whatever the computation.
@@ -197,8 +205,8 @@ def test_a_known_run_length_caps_sync_every_so_the_run_holds_eight_syncs():
     assert diloco_sync_every(ring, 0.29, total_steps=10) == 2        # never below 2
     assert diloco_sync_every(ring, 0.29, total_steps=10**6) == free  # a long run: the rule's
     # choose() passes it on: the rule's H in the algorithm's kwargs
-    name, kwargs, _, _ = choose(10, 0, 4, 5.76e6, compute_s=0.29, total_steps=400)
-    assert name == "diloco" and kwargs["sync_every"] == 50
+    name, kwargs, _, _ = choose(10, 0, 4, 5.76e6, compute_s=0.29, total_steps=160)
+    assert name == "diloco" and kwargs["sync_every"] == 20                   # 31 capped
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="total_steps"):
             choose(10, 0, 4, 5.76e6, compute_s=0.29, total_steps=bad)

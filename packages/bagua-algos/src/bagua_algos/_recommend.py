@@ -41,13 +41,24 @@ import bagua_comm as bc
 log = logging.getLogger("bagua_algos.recommend")
 
 #: Extra steps each algorithm needs to reach the loss full-precision DDP reaches (x), from the
-#: trade-off map's runs: compression and gossip cost a little convergence.
+#: trade-off map's runs: compression and gossip cost a little convergence.  DiLoCo's depends on
+#: H: :func:`diloco_steps_factor`.
 STEPS_FACTOR = {"gradient_allreduce": 1.0, "bytegrad": 1.05, "decentralized": 1.25,
-                "low_precision_decentralized": 1.4,
-                # DiLoCo's local steps on a quarter of DDP's batch (4 ranks): 1.9x DDP's steps
-                # on the map's 10 Mbit/s cells (small model, N=10), 2.9x on 4 hosts at
-                # 100 Mbit/s (base, N=30)
-                "diloco": 2.5}
+                "low_precision_decentralized": 1.4}
+#: DiLoCo's extra steps grow with log H (its ranks step on their own share of the batch, and
+#: averaging every H steps recovers part of it).  Measured on 4 ranks: 1.2-1.6x DDP's steps
+#: at H=3-11 on the map's 10-step cells (small model), 2.5x at H=7 and 3.5x at H=33 on the
+#: main job's 30-step run (base model): 1 + b ln H with b 0.15-0.25 and 0.7-0.75; 0.4 between.
+DILOCO_STEPS_PER_LOG_H = 0.4
+#: DiLoCo as recommend runs it: the outer gradient in 4 bits with error feedback (an eighth of
+#: float32's bytes; the main job's fastest DiLoCo row), so each sync costs about this much of
+#: a float32 allreduce's transfer
+DILOCO_OUTER_BYTES = 1 / 8
+
+
+def diloco_steps_factor(sync_every: int) -> float:
+    """DiLoCo's estimated steps to DDP's loss, as a multiple of DDP's, at ``sync_every``."""
+    return 1.0 + DILOCO_STEPS_PER_LOG_H * math.log(max(1, sync_every))
 
 
 def diloco_sync_every(comm_s: float, compute_s: float, overhead: float = 0.1, *,
@@ -175,17 +186,26 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
         "low_precision_decentralized": lat + 2 * model_bytes / _UINT8 / bps + codec,
     }
     h = None
+    factor = dict(STEPS_FACTOR)
     if compute_s > 0:    # communicating rarely pays only against a known computation time
-        h = diloco_sync_every(comm["gradient_allreduce"], compute_s, total_steps=total_steps)
-        comm["diloco"] = comm["gradient_allreduce"] / h
-    scores = {a: (compute_s + c) * STEPS_FACTOR[a] for a, c in comm.items()}
+        # one 4-bit compressed allreduce of the model (its latency rounds, an eighth of the
+        # bytes, the codec) every H steps
+        sync = 2 * (n - 1) * lat + ring * DILOCO_OUTER_BYTES / bps + codec
+        h = diloco_sync_every(sync, compute_s, total_steps=total_steps)
+        comm["diloco"] = sync / h
+        factor["diloco"] = diloco_steps_factor(h)
+    scores = {a: (compute_s + c) * factor[a] for a, c in comm.items()}
     best = min(scores, key=scores.get)
     if (scores["gradient_allreduce"] <= (TIE if compute_s else TIE_UNKNOWN_COMPUTE) * scores[best]
             or comm["gradient_allreduce"] < NEGLIGIBLE_S):
         best = "gradient_allreduce"
     kwargs = {"hierarchical": hier}
     if best == "diloco":
+        from bagua_comm.compression import MinMaxUInt4
+
+        # chunks: one per rank exchanging the outer gradient (node leaders when hierarchical)
         kwargs["sync_every"] = h
+        kwargs["compressor"] = MinMaxUInt4(n if hier else world_size, error_feedback=True)
     if best == "decentralized":
         kwargs["peer_selection_mode"] = "shift_one"
     why = {"gradient_allreduce": "the network is fast enough for the exact allreduce",
@@ -195,7 +215,7 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
            "low_precision_decentralized": "latency- and bandwidth-bound: one compressed "
                                           "exchange with two neighbours",
            "diloco": f"communication dominates the step: train locally and average every "
-                     f"{h} steps (DiLoCo)"}[best]
+                     f"{h} steps, the outer gradient in 4 bits (DiLoCo)"}[best]
     est = ", ".join(f"{a} {1e3 * s:.0f}" for a, s in sorted(scores.items(), key=lambda x: x[1]))
     return best, kwargs, f"{why} (est. ms/step x steps factor: {est})", scores
 
