@@ -21,8 +21,9 @@ the trade-off map (benchmarks/tradeoff.py, docs/tradeoff.md):
 with ``rounds``/``wire_bytes`` per rank for a ring allreduce (2(n-1) rounds, 2(n-1)/n of the
 model), ByteGrad (the same, 4x fewer bytes), Decentralized shift_one (one exchange of the
 model with one peer) and LowPrecisionDecentralized (one exchange, compressed, with two ring
-neighbours); ``steps_factor`` is how many more steps an algorithm needs to reach the same loss
-(measured on the map's workload).  The lowest score wins; near-ties (within 5%, or 50% when
+neighbours), and, with the computation time known, DiLoCo with a 4-bit outer gradient (one
+compressed allreduce every H steps); ``steps_factor`` is how many more steps an algorithm
+needs to reach the same loss (measured on the map's workload; DiLoCo's grows with log H).  The lowest score wins; near-ties (within 5%, or 50% when
 the computation time is not given) go to the exact algorithm.
 """
 
