@@ -209,6 +209,10 @@ def _mode(r: dict) -> str:
 
     if r.get("auto_choice"):     # with_bagua(..., "auto"): what it chose
         c = r["auto_choice"]
+        kw = c.get("kwargs") or {}
+        if "sync_every" in kw:   # DiLoCo: no gradient buckets
+            bits = ", 4-bit" if "UInt4" in str(kw.get("compressor")) else ""
+            return f"chose {c['algorithm']}, H={kw['sync_every']}{bits}"
         return f"chose {c['algorithm']}, {c['bucket_size'] / 2**20:.0f} MiB buckets"
 
     note = mode_note(r["algorithm"], r.get("procs_per_host") or 1,

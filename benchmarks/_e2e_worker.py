@@ -88,7 +88,10 @@ def _build(name: str, model, args, harness):
                                                               args.row_compute_s))
         wrapped = bagua_algos.with_bagua(model, [opt], rec.algorithm,
                                          bucket_size=rec.bucket_size)
-        args.auto_choice = {"algorithm": wrapped.algorithm.name, "kwargs": rec.kwargs,
+        # kwargs as JSON: a compressor (DiLoCo's outer gradient) by its repr
+        kwargs = {k: v if v is None or isinstance(v, (bool, int, float, str)) else repr(v)
+                  for k, v in rec.kwargs.items()}
+        args.auto_choice = {"algorithm": wrapped.algorithm.name, "kwargs": kwargs,
                             "bucket_size": wrapped.bucket_size,
                             "setup_s": round(time.perf_counter() - t0, 3)}
         return wrapped, opt
