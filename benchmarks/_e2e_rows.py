@@ -142,6 +142,12 @@ def sync_every_for(ddp_step_s: float, compute_s: float, budget_s: float, *,
                              min_syncs=min_syncs)
 
 
+def jsonable(kwargs: dict) -> dict:
+    """An algorithm's keyword arguments for the JSON report: objects (a compressor) by repr."""
+    return {k: v if v is None or isinstance(v, (bool, int, float, str)) else repr(v)
+            for k, v in kwargs.items()}
+
+
 def planned_steps(budget_s: float, compute_s: float) -> int:
     """The steps a row's time budget holds at ``compute_s`` a step (what ``recommend``'s
     ``total_steps`` is told in the ``auto`` row: the run length a user would know)."""

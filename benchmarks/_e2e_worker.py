@@ -39,6 +39,7 @@ from _e2e_rows import (
     AllReduceCounter,
     bagua_spec,
     build_torch,
+    jsonable,
     planned_steps,
     powersgd_start,
     split_row,
@@ -88,10 +89,8 @@ def _build(name: str, model, args, harness):
                                                               args.row_compute_s))
         wrapped = bagua_algos.with_bagua(model, [opt], rec.algorithm,
                                          bucket_size=rec.bucket_size)
-        # kwargs as JSON: a compressor (DiLoCo's outer gradient) by its repr
-        kwargs = {k: v if v is None or isinstance(v, (bool, int, float, str)) else repr(v)
-                  for k, v in rec.kwargs.items()}
-        args.auto_choice = {"algorithm": wrapped.algorithm.name, "kwargs": kwargs,
+        args.auto_choice = {"algorithm": wrapped.algorithm.name,
+                            "kwargs": jsonable(rec.kwargs),
                             "bucket_size": wrapped.bucket_size,
                             "setup_s": round(time.perf_counter() - t0, 3)}
         return wrapped, opt

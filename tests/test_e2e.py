@@ -312,3 +312,20 @@ def test_diloco_targets_take_the_fastest_diloco_row_and_each_rows_bytes_at_its_o
     assert fp32["value"] == pytest.approx(1 / 33) and not fp32["met"]
     u4 = got[("DiLoCo bytes per step vs DDP's", "diloco_u4")]
     assert u4["value"] == pytest.approx(0.335 / 19.85) and u4["met"]
+
+
+def test_an_auto_row_that_chose_diloco_is_written_as_json_and_says_its_h():
+    """recommend's DiLoCo carries a compressor object in its kwargs: the report keeps its repr
+    (the row once crashed writing its JSON) and the table says H and the bits."""
+    from _e2e_report import _mode
+    from _e2e_rows import jsonable
+
+    from bagua_algos._recommend import choose
+
+    name, kwargs, _, _ = choose(10, 0, 4, 5.76e6, compute_s=0.29)
+    assert name == "diloco"
+    row = {"algorithm": "auto", "auto_choice": {"algorithm": name, "kwargs": jsonable(kwargs),
+                                                "bucket_size": 10 * 2**20}}
+    back = json.loads(json.dumps(row))
+    assert back["auto_choice"]["kwargs"]["compressor"].startswith("MinMaxUInt4(chunks=4")
+    assert _mode(back) == f"chose diloco, H={kwargs['sync_every']}, 4-bit"
