@@ -23,8 +23,9 @@ model), ByteGrad (the same, 4x fewer bytes), Decentralized shift_one (one exchan
 model with one peer) and LowPrecisionDecentralized (one exchange, compressed, with two ring
 neighbours), and, with the computation time known, DiLoCo with a 4-bit outer gradient (one
 compressed allreduce every H steps); ``steps_factor`` is how many more steps an algorithm
-needs to reach the same loss (measured on the map's workload; DiLoCo's grows with log H).  The lowest score wins; near-ties (within 5%, or 50% when
-the computation time is not given) go to the exact algorithm.
+needs to reach the same loss (measured on the map's workload; DiLoCo's grows with log H).
+The lowest score wins; near-ties (within 5%, or 50% when the computation time is not given)
+go to the exact algorithm.
 """
 
 from __future__ import annotations
