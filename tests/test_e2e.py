@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _e2e_model import SIZES, MarkovText, lm_loss, make_model, num_params  # noqa: E402
 from _e2e_report import markdown  # noqa: E402
+from _e2e_rows import SYNC_ROWS, split_row  # noqa: E402
 
 REQUIRED = ("bandwidth_mbit", "latency_ms", "algorithm", "samples_per_s", "loss", "bytes_per_step")
 # Every field a measured run has (time to accuracy included).
@@ -157,7 +158,9 @@ def _check_every_field(report: dict, hosts: int, procs: int) -> dict:
         assert set(FIELDS) <= set(r), (name, set(FIELDS) - set(r))
         assert r["world_size"] == hosts * procs and r["procs_per_host"] == procs
         # Every figure measures the algorithm doing its job: it communicated in its window.
-        if name in ("local_sgd", "diloco", "ft_diloco"):   # talk every sync_every steps
+        if split_row(name)[0] in SYNC_ROWS:   # talk every sync_every steps (diloco_u4 too)
+            continue
+        if (r.get("auto_choice") or {}).get("algorithm") in SYNC_ROWS:   # auto chose DiLoCo
             continue
         assert r["bytes_per_step"] > 0 and r["bytes_per_step_accounted"] > 0, name
         assert r["eval_curve"] and r["ddp_loss_target"] == runs["ddp"]["loss"]
