@@ -131,15 +131,18 @@ def _choose_sync_every(args, slowest_compute_s: float, budget_s: float | None, *
     pays 1/8 of the allreduce per sync, so the rule gives it an H about 8x smaller)."""
     if args.sync_every:
         return args.sync_every
-    ddp_step = args.ddp_step_s or (args.ddp_seconds / args.steps if args.ddp_seconds else 0.0)
-    return sync_every_for(ddp_step, slowest_compute_s, _row_budget(args, budget_s),
+    return sync_every_for(_ddp_step(args), slowest_compute_s, _row_budget(args, budget_s),
                           bytes_scale=bytes_scale)
+
+
+def _ddp_step(args) -> float:
+    """DDP's step time in this job (or from ``--ddp-seconds``); 0 before DDP's row ran."""
+    return args.ddp_step_s or (args.ddp_seconds / args.steps if args.ddp_seconds else 0.0)
 
 
 def _row_budget(args, budget_s: float | None) -> float:
     """A row's training time budget (seconds), as the rows after DDP's will be given it."""
-    ddp_step = args.ddp_step_s or (args.ddp_seconds / args.steps if args.ddp_seconds else 0.0)
-    budget = budget_s or args.budget_factor * ddp_step * args.steps or args.wall_seconds
+    budget = budget_s or args.budget_factor * _ddp_step(args) * args.steps or args.wall_seconds
     return max(budget, args.wall_seconds)
 
 
@@ -240,11 +243,10 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
         else:   # the rule's H once per job (a sweep row scales it, or fixes its own)
             if args.rule_inputs is None:
                 args.rule_inputs = (args.row_compute_s, budget_s)
-            base = split_row(name)[0]
-            # fp32's H is the sweep's reference; a compressed row's rule counts its own bytes
-            rule = _choose_sync_every(args, *args.rule_inputs,
-                                      bytes_scale=OUTER_BYTES.get(base, 1.0) if base == name
-                                      else 1.0)
+            # fp32's H is the sweep's reference (an "@" row scales or fixes it); a compressed
+            # row of its own counts its own bytes
+            scale = OUTER_BYTES.get(name, 1.0)
+            rule = _choose_sync_every(args, *args.rule_inputs, bytes_scale=scale)
             args.chosen_sync_every = sync_every_of_row(name, rule)
         args.sync_every_of[name] = args.chosen_sync_every
     args.row_close = None
