@@ -50,6 +50,24 @@ def test_scores_follow_the_cost_model():
     assert scores["decentralized"] == pytest.approx(1.25 * (lat / 1e3 + nbytes * 8 / 1e8))
 
 
+def test_a_measured_codec_cost_prices_the_compressed_algorithms():
+    """Reference: ByteGrad's cost written out, with the codec paid twice per step."""
+    n, bw, lat, nbytes, compute = 4, 1000, 5, 5.76e6, 0.17
+    for per_byte in (1e-9, 8e-9):
+        _, _, _, scores = choose(bw, lat, n, nbytes, compute_s=compute, codec_s_per_byte=per_byte)
+        comm = 2 * (n - 1) * lat / 1e3 + 1.5 * nbytes / 4 / (bw * 1e6 / 8) + 2 * per_byte * nbytes
+        assert scores["bytegrad"] == pytest.approx((compute + comm) * 1.05)
+    # The map's 1 Gbit/s, 5 ms cell: at the default codec cost ByteGrad looks best; with four
+    # processes sharing two cores (measured there: several ns per byte) it is not worth it.
+    assert choose(bw, lat, n, nbytes, compute_s=compute)[0] == "bytegrad"
+    assert choose(bw, lat, n, nbytes, compute_s=compute, codec_s_per_byte=8e-9)[0] != "bytegrad"
+    assert choose(bw, lat, n, nbytes, codec_s_per_byte=None)[3] == choose(bw, lat, n, nbytes)[3]
+    with pytest.raises(ValueError, match="codec_s_per_byte"):
+        choose(bw, lat, n, nbytes, codec_s_per_byte=-1.0)
+    with pytest.raises(ValueError, match="codec_s_per_byte"):
+        choose(bw, lat, n, nbytes, codec_s_per_byte=float("nan"))
+
+
 def test_one_node_and_bad_input():
     assert choose(10, 50, 8, MB, nodes=1)[0] == "gradient_allreduce"
     for kw, arg in (({"bandwidth_mbit": 0}, "bandwidth_mbit"), ({"latency_ms": -1}, "latency_ms"),
@@ -73,7 +91,7 @@ def _auto(limit: float, model_bytes: float):
     auto = with_bagua(model, [opt], "auto")
     explicit = with_bagua(model, [opt], ByteGrad())  # an explicit algorithm: no measuring
     return {"name": rec.name, "bw": m.bandwidth_mbit, "lat": m.latency_ms, "took": took,
-            "elapsed": m.elapsed_s, "far": rec_far.name, "auto": type(auto.algorithm).__name__,
+            "elapsed": m.elapsed_s, "codec": m.codec_s_per_byte, "far": rec_far.name, "auto": type(auto.algorithm).__name__,
             "explicit": type(explicit.algorithm).__name__, "rank": bc.get_rank()}
 
 
@@ -84,6 +102,8 @@ def test_every_rank_chooses_the_same_within_the_time_bound():
     assert a["name"] == b["name"] and a["far"] == b["far"] and a["auto"] == b["auto"]
     # Reduced measurements: both ranks hold the very same numbers.
     assert a["bw"] == b["bw"] and a["lat"] == b["lat"] and a["elapsed"] == b["elapsed"]
+    # The codec was timed on the ranks (the slowest one's): some MB/s to some GB/s per core.
+    assert a["codec"] == b["codec"] and 1e-11 < a["codec"] < 1e-6
     assert a["bw"] > 0 and 0 <= a["lat"] < 50
     assert a["took"] < limit + 1.0 and b["took"] < limit + 1.0
     assert a["far"] in ("bytegrad", "low_precision_decentralized", "decentralized")

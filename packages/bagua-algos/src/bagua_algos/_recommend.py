@@ -85,9 +85,14 @@ TIE, TIE_UNKNOWN_COMPUTE = 1.05, 1.5
 #: the ratios alone preferred one exchange with one peer to the allreduce's two rounds).
 NEGLIGIBLE_S = 0.01
 _UINT8 = 4.0  # MinMaxUInt8 sends a quarter of float32's bytes
-#: Seconds per model byte to compress and decompress once (MinMaxUInt8 on one CPU core runs
-#: at about 1 GB/s each way); the compressed algorithms pay it twice per step.
+#: Seconds per model byte to compress and decompress once, when it was not measured
+#: (MinMaxUInt8 on one free CPU core runs at about 1 GB/s each way); the compressed
+#: algorithms pay it twice per step.  :func:`measure_network` times it on the ranks
+#: themselves (``NetworkMeasurement.codec_s_per_byte``): processes sharing cores, or a slow
+#: CPU, pay several times this.
 CODEC_S_PER_BYTE = 1e-9
+#: float32 elements of the buffer measure_network compresses and decompresses (4 MiB)
+_CODEC_PROBE = 1 << 20
 
 
 @dataclass
@@ -100,6 +105,9 @@ class NetworkMeasurement:
     nodes: int
     elapsed_s: float
     probes: list = field(default_factory=list)  # (bytes, seconds) of each bandwidth probe
+    #: seconds per float32 byte for one MinMaxUInt8 compress + decompress, on the slowest rank
+    #: (None: not measured; :data:`CODEC_S_PER_BYTE` is assumed)
+    codec_s_per_byte: float | None = None
 
 
 @dataclass
@@ -148,7 +156,8 @@ def bucket_size_for(name: str, bandwidth_mbit: float, latency_ms: float, nodes: 
 
 def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_bytes: float, *,
            compute_s: float = 0.0, nodes: int | None = None,
-           total_steps: int | None = None) -> tuple[str, dict, str, dict]:
+           total_steps: int | None = None,
+           codec_s_per_byte: float | None = None) -> tuple[str, dict, str, dict]:
     """The rule: ``(name, kwargs, reason, scores)`` for a network and a model.
 
     ``bandwidth_mbit``/``latency_ms`` (one way) between nodes, ``model_bytes`` the gradient
@@ -157,13 +166,18 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
     too: its cost only makes sense against it (``with_bagua(..., "auto")`` does not know it;
     ``recommend(model, compute_s=...)`` does); ``total_steps`` (the run's planned steps) caps
     its H so that the run holds at least 8 syncs (:func:`diloco_sync_every`).
-    Raises ``ValueError`` naming the argument for a non-positive bandwidth, a negative latency
-    or compute time, or a world size below 1.
+    ``codec_s_per_byte`` (seconds per model byte for one compress + decompress, as
+    :func:`measure_network` times it; None: :data:`CODEC_S_PER_BYTE`) prices the compressed
+    algorithms' encoding.
+    Raises ``ValueError`` naming the argument for a non-positive bandwidth, a negative latency,
+    compute time or codec cost, or a world size below 1.
     """
     for name, v, ok in (("bandwidth_mbit", bandwidth_mbit, bandwidth_mbit > 0),
                         ("latency_ms", latency_ms, latency_ms >= 0),
                         ("model_bytes", model_bytes, model_bytes >= 0),
                         ("compute_s", compute_s, compute_s >= 0),
+                        ("codec_s_per_byte", codec_s_per_byte,
+                         codec_s_per_byte is None or codec_s_per_byte >= 0),
                         ("total_steps", total_steps, total_steps is None or (
                             isinstance(total_steps, int) and not isinstance(total_steps, bool)
                             and total_steps >= 1)),
@@ -180,7 +194,8 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
                 "one node: gradient_allreduce (exact)", {"gradient_allreduce": compute_s})
     lat, bps = latency_ms / 1e3, bandwidth_mbit * 1e6 / 8
     ring = 2 * (n - 1) / n * model_bytes
-    codec = 2 * CODEC_S_PER_BYTE * model_bytes
+    per_byte = CODEC_S_PER_BYTE if codec_s_per_byte is None else codec_s_per_byte
+    codec = 2 * per_byte * model_bytes
     comm = {
         "gradient_allreduce": 2 * (n - 1) * lat + ring / bps,
         "bytegrad": 2 * (n - 1) * lat + ring / _UINT8 / bps + codec,
@@ -229,6 +244,21 @@ def _shift(buf: torch.Tensor, out: torch.Tensor, dst: int, src: int, group) -> N
     r.wait()
 
 
+def _codec_seconds(numel: int = _CODEC_PROBE) -> float:
+    """This rank's best of two MinMaxUInt8 compress + decompress of ``numel`` float32s."""
+    from bagua_comm.compression import MinMaxUInt8
+
+    codec = MinMaxUInt8(1)
+    x = torch.randn(numel)
+    out = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(2):
+        t = time.monotonic()
+        codec.decompress(codec.compress(x), out)
+        best = min(best, time.monotonic() - t)
+    return best
+
+
 def _max(values: list[float], group) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     bc.allreduce_inplace(t, op=bc.ReduceOp.MAX, group=group)
@@ -260,7 +290,8 @@ def measure_network(group=None, *, time_limit_s: float = 3.0) -> NetworkMeasurem
         t = time.monotonic()
         _shift(tiny, tiny_out, dst, src, group)
         rounds.append(time.monotonic() - t)
-    latency = _max([sorted(rounds)[len(rounds) // 2]], group)[0]
+    # Every rank encodes at once, as in training: processes sharing cores pay for it here.
+    latency, codec = _max([sorted(rounds)[len(rounds) // 2], _codec_seconds()], group)
     probes, size, spent = [], 64 * 1024, _max([time.monotonic() - t0], group)[0]
     last = 0.0
     while size <= 64 * 1024 * 1024:
@@ -283,7 +314,8 @@ def measure_network(group=None, *, time_limit_s: float = 3.0) -> NetworkMeasurem
     size, t = probes[-1]
     bandwidth = size * 8 / max(t - latency, 1e-6) / 1e6
     return NetworkMeasurement(bandwidth, latency * 1e3, world, nodes,
-                              _max([time.monotonic() - t0], group)[0], probes)
+                              _max([time.monotonic() - t0], group)[0], probes,
+                              codec / (4 * _CODEC_PROBE))
 
 
 def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None = None,
@@ -316,12 +348,16 @@ def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None
     m = measurement or measure_network(group, time_limit_s=time_limit_s)
     name, kwargs, why, scores = choose(m.bandwidth_mbit, m.latency_ms, m.world_size,
                                        model_bytes, compute_s=compute_s, nodes=m.nodes,
-                                       total_steps=total_steps)
+                                       total_steps=total_steps,
+                                       codec_s_per_byte=m.codec_s_per_byte)
     bucket = bucket_size_for(name, m.bandwidth_mbit, m.latency_ms, m.nodes, model_bytes)
     name, kwargs, bucket = bc.broadcast_object((name, kwargs, bucket), src=0, group=group)
-    line = (f"bagua auto: {name}{kwargs} -- measured {m.bandwidth_mbit:.0f} Mbit/s, "
-            f"{m.latency_ms:.2f} ms one way between {m.nodes} nodes of {m.world_size} ranks "
-            f"in {m.elapsed_s:.2f}s; {why}"
+    line = (f"bagua auto: {name}{kwargs} -- {'given' if measurement else 'measured'} "
+            f"{m.bandwidth_mbit:.0f} Mbit/s, "
+            f"{m.latency_ms:.2f} ms one way between {m.nodes} nodes of {m.world_size} ranks"
+            + (f", 8-bit codec {1e-9 / m.codec_s_per_byte:.2f} GB/s"
+               if m.codec_s_per_byte else "")
+            + f" in {m.elapsed_s:.2f}s; {why}"
             + (f"; buckets of {bucket / 2**20:.0f} MiB (each bucket pays the latency)"
                if bucket else ""))
     log.info(line)
