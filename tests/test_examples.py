@@ -64,6 +64,19 @@ def test_diloco_example(tmp_path):
     assert ratio > 20          # 8 bits every 8 steps: ~32x fewer bytes than DDP
 
 
+def test_choose_algorithm_example(tmp_path):
+    out = _torchrun("choose_algorithm.py", tmp_path)
+    # two processes on one machine: one node, so the exact allreduce, on every rank
+    assert re.search(r"measured: [\d.]+ Mbit/s, [\d.]+ ms one way, 1 nodes of 2 ranks", out)
+    assert "chosen: gradient_allreduce" in out and "bagua auto: gradient_allreduce" in out
+    # the same rule on other networks: a far, slow link is not the exact allreduce's
+    far = re.search(r"on a far, slow link \(10 Mbit/s, 50 ms\): (\w+)", out).group(1)
+    assert far != "gradient_allreduce"
+    assert "on a fast, near link (10 Gbit/s, 0.05 ms): gradient_allreduce" in out
+    assert "ranks identical: True" in out and "every rank chose the same: True" in out
+    assert "with_bagua(..., 'auto') chose GradientAllReduce" in out
+
+
 def test_sparse_algorithm_example(tmp_path):
     out = _torchrun("sparse_algorithm.py", tmp_path)
     m = re.search(r"validation loss ([\d.]+) -> ([\d.]+)", out)
