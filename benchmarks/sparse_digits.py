@@ -8,7 +8,9 @@
 digits), Adam lr 1e-3, batch 64 per rank, 14 epochs, the same weights and batches for every
 row of a seed.  Rows: ``ddp`` (GradientAllReduce, which is DDP bit for bit), ``topk`` (1% of
 the entries per parameter, 8-bit values; the main job's ``topk`` row sends 0.5%),
-``topk_fp`` (1%, values in float32), ``low_rank`` (rank 2).  Prints correct/450 per seed and row, the mean,
+``topk_fp`` (1%, values in float32), ``low_rank`` (rank 2), and with ``--optimizer sgd``
+``topk_dgc`` (TopK with DGC's momentum correction: ``TopK(momentum=0.9)`` and SGD without
+momentum, against DDP with SGD momentum 0.9).  Prints correct/450 per seed and row, the mean,
 and each row's mean difference from ``ddp`` in accuracy points (target: within 1 point).
 """
 
@@ -28,6 +30,7 @@ from qadam_digits import BATCH, WORLD, Net, batches, data, evaluate  # noqa: E40
 
 LR = 1e-3
 ROWS = ("ddp", "topk", "topk_fp", "low_rank")
+MOMENTUM = 0.9
 
 
 def algorithm(row, density, topk_start, low_rank_start):
@@ -38,6 +41,8 @@ def algorithm(row, density, topk_start, low_rank_start):
             "topk": lambda: TopK(density=density, compressor=MinMaxUInt8(1),
                                  start_step=topk_start),
             "topk_fp": lambda: TopK(density=density, start_step=topk_start),
+            "topk_dgc": lambda: TopK(density=density, compressor=MinMaxUInt8(1),
+                                     start_step=topk_start, momentum=MOMENTUM),
             "low_rank": lambda: LowRank(rank=2, start_step=low_rank_start)}[row]()
 
 
@@ -53,8 +58,10 @@ def _rank_main(seeds, rows, opt_name, lr, epochs, density, topk_start=0, low_ran
         for row in rows:
             torch.manual_seed(seed)
             model = Net()
+            # topk_dgc: the momentum moves into TopK (DGC's momentum correction)
             opt = (torch.optim.Adam(model.parameters(), lr=lr) if opt_name == "adam" else
-                   torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+                   torch.optim.SGD(model.parameters(), lr=lr,
+                                   momentum=0.0 if row == "topk_dgc" else MOMENTUM))
             model = with_bagua(model, [opt], algorithm(row, density, topk_start, low_rank_start))
             torch.manual_seed(seed * 7 + rank)       # dropout differs per rank
             for idx in batches(seed, len(xtr)):
@@ -85,6 +92,8 @@ def main(argv=None):
     rows = [r for r in args.rows.split(",") if r]
     if "ddp" not in rows:
         rows.insert(0, "ddp")
+    if "topk_dgc" in rows and args.optimizer != "sgd":
+        ap.error("the topk_dgc row moves SGD's momentum into TopK: use --optimizer sgd")
     lr = args.lr or (LR if args.optimizer == "adam" else 0.05)
     res = run_ranks(_rank_main, WORLD, args=(seeds, rows, args.optimizer, lr, args.epochs,
                                              args.density, args.topk_start_step,

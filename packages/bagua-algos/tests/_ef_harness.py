@@ -57,12 +57,12 @@ def _steps(model, opt, steps):
     return loss.item()
 
 
-def checkpoint_cycle(make_algo):
+def checkpoint_cycle(make_algo, momentum=0.9):
     """Each rank saves its own checkpoint at SAVE_AT and resumes from it: exact?  Returns
     that, and rank 0's checkpoint (for a resume at another world size)."""
     def wrap():
         model = make_model(seed=1)
-        opt = sgd(model)
+        opt = sgd(model, momentum=momentum)
         return with_bagua(model, [opt], make_algo(), bucket_size=300), opt
 
     model, opt = wrap()
@@ -90,11 +90,11 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def resume_elsewhere(make_algo, blob):
+def resume_elsewhere(make_algo, blob, momentum=0.9):
     """Load rank 0's checkpoint of a job of another size; train on.  Returns the log lines
     about the resume, the algorithm's state right after loading, and the last loss."""
     model = make_model(seed=1)
-    opt = sgd(model)
+    opt = sgd(model, momentum=momentum)
     model = with_bagua(model, [opt], make_algo(), bucket_size=300)
     handler = _Lines()
     log = logging.getLogger("bagua_algos")

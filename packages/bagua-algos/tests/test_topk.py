@@ -1,6 +1,7 @@
 """TopK: density 1.0 is GradientAllReduce bit for bit (2 ranks); sparse steps match a numpy
-reference of top-k with error feedback; ranks stay bit-identical; residuals follow
-re-bucketing and checkpoints by parameter name; bad arguments raise before communicating."""
+reference of top-k with error feedback (and of DGC's momentum correction); ranks stay
+bit-identical; residuals and velocities follow re-bucketing and checkpoints by parameter name;
+bad arguments raise before communicating."""
 
 import math
 
@@ -25,8 +26,28 @@ def _topk_uint8():
     return TopK(density=DENSITY, compressor=MinMaxUInt8(1))
 
 
+def _dgc():
+    return TopK(density=DENSITY, momentum=0.9, start_step=2)
+
+
+def _refused(make_opt):
+    from bagua_algos import with_bagua
+
+    model = make_model(seed=1)
+    try:
+        with_bagua(model, [make_opt(model)], TopK(density=DENSITY, momentum=0.9))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _all():
-    out = {"gar": train(GradientAllReduce, STEPS)[0],
+    out = {"dgc": train(_dgc, STEPS, momentum=0.0)[0],
+           "dgc_rebucketed": train(_dgc, STEPS, rebucket_at=3, momentum=0.0),
+           "dgc_ckpt": checkpoint_cycle(_dgc, momentum=0.0),
+           "dgc_refused": [_refused(lambda m: sgd(m, momentum=0.9)),
+                           _refused(lambda m: torch.optim.Adam(m.parameters()))],
+           "gar": train(GradientAllReduce, STEPS)[0],
            "dense": train(lambda: TopK(density=1.0), STEPS)[0],
            "sparse": train(_topk, STEPS),
            "warm": train(lambda: TopK(density=DENSITY, start_step=2), STEPS)[0],
@@ -48,14 +69,19 @@ def test_density_one_is_gradient_allreduce_bit_for_bit(results):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def reference(steps, world, density, lr=0.05, start_step=0):
+def reference(steps, world, density, lr=0.05, start_step=0, momentum=0.0):
     """Single process, numpy: each rank's top-k of gradient + residual per parameter, the
     residual keeps the rest, the optimizer steps on the mean of the sparse vectors (the
-    plain mean, residuals untouched, for the first ``start_step`` steps)."""
+    plain mean, residuals untouched, for the first ``start_step`` steps).
+
+    ``momentum`` > 0: DGC (Lin et al. 2018, Algorithm 1 with momentum factor masking), with
+    SGD without momentum: u <- m u + g; v <- v + u; send top-k of v; clear the sent entries
+    of u and v; during the warm-up, the mean of the u (SGD's momentum) and nothing cleared."""
     model = make_model(seed=1)
-    opt = sgd(model, lr)
+    opt = sgd(model, lr, momentum=0.0 if momentum else 0.9)
     ps = list(model.parameters())
     residual = [[np.zeros(p.numel(), np.float32) for p in ps] for _ in range(world)]
+    velocity = [[np.zeros(p.numel(), np.float32) for p in ps] for _ in range(world)]
     history = []
     for step in range(steps):
         grads = []
@@ -66,14 +92,20 @@ def reference(steps, world, density, lr=0.05, start_step=0):
         for j, p in enumerate(ps):
             total = np.zeros(p.numel(), np.float32)
             for r in range(world):
-                c = grads[r][j] + residual[r][j]
+                g = grads[r][j]
+                if momentum:
+                    velocity[r][j] = np.float32(momentum) * velocity[r][j] + g
+                    g = velocity[r][j]
+                c = g + residual[r][j]
                 k = min(c.size, max(1, math.ceil(density * c.size)))
                 if step < start_step:
-                    k, c = c.size, grads[r][j]
+                    total += g
+                    continue
                 keep = np.argsort(-np.abs(c), kind="stable")[:k]
                 sent = np.zeros_like(c)
                 sent[keep] = c[keep]
                 residual[r][j] = c - sent
+                velocity[r][j][keep] = 0
                 total += sent
             p.grad = torch.from_numpy(total / np.float32(world)).reshape(p.shape)
         opt.step()
@@ -105,6 +137,51 @@ def test_start_step_sends_the_plain_average_first_then_top_k(results):
                                                       results[0]["gar"][step])), step
     assert not all(torch.equal(x, y) for x, y in zip(results[0]["warm"][2],
                                                       results[0]["gar"][2]))
+
+
+def test_momentum_correction_matches_dgc_reference(results):
+    want = reference(STEPS, 2, DENSITY, start_step=2, momentum=0.9)
+    for step in range(STEPS):
+        a, b = results[0]["dgc"][step], results[1]["dgc"][step]
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), step
+        for x, w in zip(a, want[step]):
+            torch.testing.assert_close(x, w, atol=1e-6, rtol=1e-5)
+    # Its warm-up is SGD's momentum: GradientAllReduce with SGD(momentum=0.9), up to rounding
+    for step in range(2):
+        for x, y in zip(results[0]["dgc"][step], results[0]["gar"][step]):
+            torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
+    # ... and after it, not plain TopK with the optimizer's momentum
+    assert not all(torch.allclose(x, y) for x, y in zip(results[0]["dgc"][-1],
+                                                         results[0]["warm"][-1]))
+
+
+def test_momentum_correction_state_follows_rebucketing_and_checkpoints(results):
+    for r in results:
+        history, (before, after, _) = r["dgc_rebucketed"]
+        assert any(t.any() for t in before["velocities"].values())
+        assert all(torch.equal(before["velocities"][k], after["velocities"][k])
+                   for k in before["velocities"])
+        for a, b in zip(history, r["dgc"]):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        exact, saved, _ = r["dgc_ckpt"]
+        assert exact and any(t.any() for t in saved["velocities"].values())
+    lines, state, _ = run_ranks(resume_elsewhere, 1,
+                                args=(_dgc, results[0]["dgc_ckpt"][2], 0.0), timeout=120)[0]
+    assert len(lines) == 1 and "velocities" in lines[0]
+    assert not any(t.any() for t in state["velocities"].values())
+
+
+def test_momentum_correction_refuses_an_optimizer_with_its_own_momentum(results):
+    for r in results:
+        sgd_msg, adam_msg = r["dgc_refused"]
+        assert "optimizers[0]" in sgd_msg and "momentum=0.9" in sgd_msg
+        assert "optimizers[0]" in adam_msg and "betas" in adam_msg
+
+
+@pytest.mark.parametrize("momentum", [-0.1, 1.0, 2, float("nan"), True, "0.9"])
+def test_bad_momentum_raises_naming_it(momentum):
+    with pytest.raises(ValueError, match="momentum"):
+        TopK(momentum=momentum)
 
 
 def test_quantised_values_and_hierarchical_keep_ranks_identical(results):

@@ -46,11 +46,28 @@ class TopK(Algorithm, name="topk"):
     waits about ``1 / d`` steps between sends, so a short run, or one with Adam (which turns
     each delayed burst into a single normalised step), loses accuracy that a dense start
     recovers; each warm-up step costs DDP's bytes.
+
+    ``momentum`` (0 <= m < 1; default 0: off) is Deep Gradient Compression's momentum
+    correction (Lin et al., ICLR 2018): SGD's momentum moves into TopK, before the selection.
+    Each rank keeps a velocity ``u <- m u + g`` and accumulates ``u`` (not ``g``) into its
+    residual; the entries it sends are cleared from both (momentum factor masking), and the
+    optimizer steps on the average of what was sent.  Give it an optimizer without momentum
+    of its own (``torch.optim.SGD(params, lr, momentum=0)``): an optimizer with momentum or
+    Adam's betas is refused at :func:`with_bagua`.  Plain error feedback delays an entry's
+    gradient about ``1 / density`` steps and SGD's momentum then replays that burst about
+    ``1 / (1 - m)`` times; accumulating the velocity sends each entry's momentum once.
+    During ``start_step`` warm-up it is SGD's momentum exactly (the plain average of every
+    rank's velocity, which is the velocity of the average).
     """
 
     def __init__(self, density: float = 0.01, hierarchical: bool = False,
-                 average: bool = True, compressor=None, start_step: int = 0):
+                 average: bool = True, compressor=None, start_step: int = 0,
+                 momentum: float = 0.0):
         self.density = check_density(density)
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
+                or not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be a number in [0, 1) (DGC's momentum correction; "
+                             f"0 turns it off), got {momentum!r}")
         check_bool("hierarchical", hierarchical)
         check_bool("average", average)
         check_int_at_least("start_step", start_step, 0)
@@ -63,6 +80,21 @@ class TopK(Algorithm, name="topk"):
         self.average = average
         self.compressor = compressor
         self.start_step = start_step
+        self.momentum = float(momentum)
+
+    def check_wrap(self, module, optimizers):
+        if not self.momentum:
+            return
+        for i, opt in enumerate(optimizers):
+            for group in opt.param_groups:
+                if group.get("momentum", 0) or "betas" in group:
+                    what = ("Adam-style betas" if "betas" in group
+                            else f"momentum={group['momentum']}")
+                    raise ValueError(
+                        f"optimizers[{i}] ({type(opt).__name__}) has {what}, but "
+                        f"TopK(momentum={self.momentum}) applies the momentum itself (DGC's "
+                        "momentum correction): use torch.optim.SGD(params, lr, momentum=0), "
+                        "or TopK(momentum=0) to keep the optimizer's")
 
     def reify(self, group):
         return TopKImpl(group, self)
@@ -91,12 +123,14 @@ class TopKImpl(AlgorithmImpl):
         super().__init__(group)
         self.density = algo.density
         self.start_step = algo.start_step
+        self.momentum = algo.momentum
         self.rounds = 0                                # synchronised steps so far
         self.op_average = algo.average
         self.compressor = algo.compressor
         self.reducer = Reducer(group, algo.hierarchical, "bagua-topk")
         self.buckets = []
         self.residuals: list[torch.Tensor] = []
+        self.velocities: list[torch.Tensor] = []      # momentum correction's u (momentum > 0)
         self.slots: list[list[tuple[int, int, int]]] = []
 
     def init_operations(self, ctx, buckets):
@@ -104,10 +138,31 @@ class TopKImpl(AlgorithmImpl):
         self.slots = [plan(b, self.density) for b in buckets]
         self.residuals = [torch.zeros(b.padded_numel, dtype=torch.float32, device=b.device)
                           for b in buckets]
+        self.velocities = [torch.zeros(b.padded_numel, dtype=torch.float32, device=b.device)
+                           for b in buckets] if self.momentum else []
+
+    def _velocity(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        """``u <- m u + t`` for bucket ``i``; returns ``u``."""
+        return self.velocities[i][:t.numel()].mul_(self.momentum).add_(t)
 
     def bucket_ready_hook(self, ctx, bucket):
         tensor, i = bucket.grad, bucket.index
-        if self.rounds < self.start_step:              # warm-up: the exact average
+        warm = self.rounds < self.start_step
+        if self.momentum and (warm or self.group.size == 1):
+            # SGD's momentum exactly: every rank's velocity averaged is the average's velocity
+            # (one rank: nothing is sparsified, the velocity is the update)
+            def among(t, g):
+                t.copy_(self._velocity(t, i))
+                if g.size > 1:
+                    bc.allreduce_inplace(t, bc.ReduceOp.AVG if self.op_average
+                                         else bc.ReduceOp.SUM, group=g)
+
+            if self.group.size == 1:
+                among(tensor, self.group)
+                return None
+            return self.reducer.runner.submit(
+                lambda: self.reducer.reduce_with(tensor, among, self.op_average))
+        if warm:                                       # warm-up: the exact average
             op = bc.ReduceOp.AVG if self.op_average else bc.ReduceOp.SUM
             return self.reducer.allreduce(tensor, op)
 
@@ -146,7 +201,8 @@ class TopKImpl(AlgorithmImpl):
         b, slots, residual = self.buckets[i], self.slots[i], self.residuals[i]
         n, numel, dev, dtype = g.size, b.numel, tensor.device, tensor.dtype
         k = sum(s[2] for s in slots)
-        residual.add_(tensor)                          # corrected gradient, in place
+        # corrected gradient (momentum correction: the velocity), in place
+        residual.add_(self._velocity(tensor, i) if self.momentum else tensor)
         index_dtype = torch.int32 if numel < 2 ** 31 else torch.int64
         indices = torch.empty(k, dtype=index_dtype, device=dev)
         select(residual, slots, indices)
@@ -164,6 +220,8 @@ class TopKImpl(AlgorithmImpl):
             works.append(bc.allgather(payload, all_vals, group=g, async_op=True))
             sent = self._decode(payload, shape, dtype, dev)[:k]
         residual.index_add_(0, indices, sent, alpha=-1)   # error feedback: keep what was not sent
+        if self.momentum:                              # momentum factor masking
+            self.velocities[i].index_fill_(0, indices.long(), 0.0)
         dense = torch.zeros(numel, dtype=torch.float32, device=dev)
         for w in works:
             w.wait()
@@ -185,22 +243,27 @@ class TopKImpl(AlgorithmImpl):
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self):
-        return {"residuals": export_flat(self.buckets, self.residuals), "rounds": self.rounds}
+        state = {"residuals": export_flat(self.buckets, self.residuals), "rounds": self.rounds}
+        if self.momentum:
+            state["velocities"] = export_flat(self.buckets, self.velocities)
+        return state
 
     def load_state_dict(self, state):
         self.rounds = int(state.get("rounds", 0))
-        saved = state.get("residuals", {})
-        for r in self.residuals:
-            r.zero_()
-        import_flat(self.buckets, self.residuals, saved, "TopK residuals")
+        for name, mine in (("residuals", self.residuals), ("velocities", self.velocities)):
+            for r in mine:
+                r.zero_()
+            if mine:
+                import_flat(self.buckets, mine, state.get(name, {}), f"TopK {name}")
 
     def load_foreign_state_dict(self, state, *, world_size, rank):
         # A residual is one rank's unsent gradient: another rank's would be sent twice.
         self.rounds = int(state.get("rounds", 0))      # the same on every rank
-        for r in self.residuals:
+        for r in self.residuals + self.velocities:
             r.zero_()
-        if any(t.any() for t in state.get("residuals", {}).values()):
-            return "error-feedback residuals are per rank and restart at zero"
+        if any(t.any() for key in ("residuals", "velocities")
+               for t in state.get(key, {}).values()):
+            return "error-feedback residuals (and velocities) are per rank and restart at zero"
         return None
 
     def shutdown(self):
