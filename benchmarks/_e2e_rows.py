@@ -80,6 +80,9 @@ _VARIANTS = {  # row name: (registry name, fixed keyword arguments)
     "topk_1pct": ("topk", {"density": 0.01}),
     "topk_1pct_u4": ("topk", {"density": 0.01}),
     "low_rank": ("low_rank", {"rank": 2}),         # as ddp_powersgd's default rank
+    # opt-in: more bytes per step (rank r sends r/2 times rank 2's), less loss lost per step
+    "low_rank_r8": ("low_rank", {"rank": 8}),
+    "low_rank_r16": ("low_rank", {"rank": 16}),
     # DiLoCo with its outer gradient min-max quantised (8- or 4-bit) with error feedback, as
     # INTELLECT-1 (int8) and Streaming DiLoCo (4-bit) send it, each at the H the rule gives
     # its bytes (OUTER_BYTES); diloco_u4 is a default row, diloco_u8 opt-in
@@ -109,7 +112,7 @@ def bagua_spec(row: str, procs_per_host: int, *, warmup: int = 2,
     row = split_row(row)[0]
     name, kwargs = _VARIANTS.get(row, (row, {}))
     kwargs = dict(kwargs)
-    if row == "low_rank":
+    if name == "low_rank":
         kwargs["start_step"] = powersgd_start(warmup)
     if name == "topk":    # values min-max quantised, 4-bit where the row name says so
         from bagua_comm.compression import MinMaxUInt4, MinMaxUInt8
@@ -176,8 +179,8 @@ def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2, warmup: 
         density = _VARIANTS[row][1]["density"]
         return (f"{density:.1%}, {4 if row.endswith('_u4') else 8}-bit values, EF, "
                 f"{'hier' if procs_per_host > 1 else 'flat'}")
-    if row == "low_rank":
-        return f"rank 2, EF, warm, start {powersgd_start(warmup)}"
+    if row.startswith("low_rank"):
+        return f"rank {_VARIANTS[row][1]['rank']}, EF, warm, start {powersgd_start(warmup)}"
     _name, kwargs = bagua_spec(row, procs_per_host)
     parts = []
     if "peer_selection_mode" in kwargs:

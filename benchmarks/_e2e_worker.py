@@ -92,7 +92,8 @@ def _build(name: str, model, args, harness):
         args.auto_choice = {"algorithm": wrapped.algorithm.name,
                             "kwargs": jsonable(rec.kwargs),
                             "bucket_size": wrapped.bucket_size,
-                            "setup_s": round(time.perf_counter() - t0, 3)}
+                            "setup_s": round(time.perf_counter() - t0, 3),
+                            "reason": rec.reason}
         return wrapped, opt
     missing = [n for n in ("Algorithm", "with_bagua") if not hasattr(bagua_algos, n)]
     if missing:

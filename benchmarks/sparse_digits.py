@@ -10,7 +10,7 @@ row of a seed.  Rows: ``ddp`` (GradientAllReduce, which is DDP bit for bit), ``t
 the entries per parameter, 8-bit values; the main job's ``topk`` row sends 0.5%),
 ``topk_fp`` (1%, values in float32), ``low_rank`` (rank 2), and with ``--optimizer sgd``
 ``topk_dgc`` (TopK with DGC's momentum correction: ``TopK(momentum=0.9)`` and SGD without
-momentum, against DDP with SGD momentum 0.9).  Prints correct/450 per seed and row, the mean,
+momentum, against DDP with SGD momentum 0.9; ``topk_dgc_fp``: values in float32).  Prints correct/450 per seed and row, the mean,
 and each row's mean difference from ``ddp`` in accuracy points (target: within 1 point).
 """
 
@@ -43,6 +43,8 @@ def algorithm(row, density, topk_start, low_rank_start):
             "topk_fp": lambda: TopK(density=density, start_step=topk_start),
             "topk_dgc": lambda: TopK(density=density, compressor=MinMaxUInt8(1),
                                      start_step=topk_start, momentum=MOMENTUM),
+            "topk_dgc_fp": lambda: TopK(density=density, start_step=topk_start,
+                                        momentum=MOMENTUM),
             "low_rank": lambda: LowRank(rank=2, start_step=low_rank_start)}[row]()
 
 
@@ -61,7 +63,7 @@ def _rank_main(seeds, rows, opt_name, lr, epochs, density, topk_start=0, low_ran
             # topk_dgc: the momentum moves into TopK (DGC's momentum correction)
             opt = (torch.optim.Adam(model.parameters(), lr=lr) if opt_name == "adam" else
                    torch.optim.SGD(model.parameters(), lr=lr,
-                                   momentum=0.0 if row == "topk_dgc" else MOMENTUM))
+                                   momentum=0.0 if row.startswith("topk_dgc") else MOMENTUM))
             model = with_bagua(model, [opt], algorithm(row, density, topk_start, low_rank_start))
             torch.manual_seed(seed * 7 + rank)       # dropout differs per rank
             for idx in batches(seed, len(xtr)):
@@ -92,7 +94,7 @@ def main(argv=None):
     rows = [r for r in args.rows.split(",") if r]
     if "ddp" not in rows:
         rows.insert(0, "ddp")
-    if "topk_dgc" in rows and args.optimizer != "sgd":
+    if any(r.startswith("topk_dgc") for r in rows) and args.optimizer != "sgd":
         ap.error("the topk_dgc row moves SGD's momentum into TopK: use --optimizer sgd")
     lr = args.lr or (LR if args.optimizer == "adam" else 0.05)
     res = run_ranks(_rank_main, WORLD, args=(seeds, rows, args.optimizer, lr, args.epochs,
