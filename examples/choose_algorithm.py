@@ -81,7 +81,7 @@ def main() -> None:
     m = rec.measurement
     if rank == 0:
         if m is not None:
-            print(f"measured: {m.bandwidth_mbit:.0f} Mbit/s, {m.latency_ms:.3f} ms one way, "
+            print(f"measured: {m.bandwidth_mbit:.0f} Mbit/s, {m.latency_ms:.3f} ms a tiny exchange, "
                   f"{m.nodes} nodes of {m.world_size} ranks, in {m.elapsed_s:.2f} s")
         print(f"chosen: {rec.name} {rec.kwargs}")
 

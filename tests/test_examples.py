@@ -67,7 +67,7 @@ def test_diloco_example(tmp_path):
 def test_choose_algorithm_example(tmp_path):
     out = _torchrun("choose_algorithm.py", tmp_path)
     # two processes on one machine: one node, so the exact allreduce, on every rank
-    assert re.search(r"measured: [\d.]+ Mbit/s, [\d.]+ ms one way, 1 nodes of 2 ranks", out)
+    assert re.search(r"measured: [\d.]+ Mbit/s, [\d.]+ ms a tiny exchange, 1 nodes of 2 ranks", out)
     assert "chosen: gradient_allreduce" in out and "bagua auto: gradient_allreduce" in out
     # the same rule on other networks: a far, slow link is not the exact allreduce's
     far = re.search(r"on a far, slow link \(10 Mbit/s, 50 ms\): (\w+)", out).group(1)

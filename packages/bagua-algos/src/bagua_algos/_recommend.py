@@ -7,8 +7,10 @@
     model = with_bagua(model, [opt], "auto")
 
 The measurement (:func:`measure_network`) is a ring shift between ranks on different nodes
-(rank r sends to r + local_size): first tiny messages (one-way latency = the time of one
-shift), then growing probes (bandwidth = bytes / (time - latency)) until a probe takes long
+(rank r sends to r + local_size): first tiny messages (latency = the time of one shift: one
+way where a send goes at once, about two one-way delays on gloo, whose send waits for the
+receiver's "ready" notice -- measured 10.7 ms at 5 ms and 101 ms at 50 ms one way; the rule
+then counts latency in units of one such exchange), then growing probes (bandwidth = bytes / (time - latency)) until a probe takes long
 enough to be read or the time budget is spent.  Every rank times its own exchanges; the times
 are reduced with MAX, so every rank holds the same numbers, and rank 0's choice is broadcast.
 
@@ -100,7 +102,7 @@ class NetworkMeasurement:
     """What :func:`measure_network` found (the same on every rank)."""
 
     bandwidth_mbit: float
-    latency_ms: float  # one way, between two ranks on different nodes
+    latency_ms: float  # one tiny exchange between two ranks on different nodes (gloo: ~2 one-way)
     world_size: int
     nodes: int
     elapsed_s: float
@@ -266,7 +268,7 @@ def _max(values: list[float], group) -> list[float]:
 
 
 def measure_network(group=None, *, time_limit_s: float = 3.0) -> NetworkMeasurement:
-    """Bandwidth and one-way latency between ranks on different nodes (collective).
+    """Bandwidth and latency (one tiny exchange) between ranks on different nodes (collective).
 
     Takes at most about ``time_limit_s`` (a probe is only started when the previous one says
     it fits); every rank returns the same numbers.
@@ -354,7 +356,7 @@ def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None
     name, kwargs, bucket = bc.broadcast_object((name, kwargs, bucket), src=0, group=group)
     line = (f"bagua auto: {name}{kwargs} -- {'given' if measurement else 'measured'} "
             f"{m.bandwidth_mbit:.0f} Mbit/s, "
-            f"{m.latency_ms:.2f} ms one way between {m.nodes} nodes of {m.world_size} ranks"
+            f"{m.latency_ms:.2f} ms a tiny exchange between {m.nodes} nodes of {m.world_size} ranks"
             + (f", 8-bit codec {1e-9 / m.codec_s_per_byte:.2f} GB/s"
                if m.codec_s_per_byte else "")
             + f" in {m.elapsed_s:.2f}s; {why}"
