@@ -45,6 +45,9 @@ def _all():
     out = {"dgc": train(_dgc, STEPS, momentum=0.0)[0],
            "dgc_rebucketed": train(_dgc, STEPS, rebucket_at=3, momentum=0.0),
            "dgc_ckpt": checkpoint_cycle(_dgc, momentum=0.0),
+           # both ranks on one node: with_bagua runs the flat mode (one log line)
+           "dgc_one_node": train(lambda: TopK(density=DENSITY, momentum=0.9, hierarchical=True),
+                                 STEPS, momentum=0.0)[0],
            "dgc_refused": [_refused(lambda m: sgd(m, momentum=0.9)),
                            _refused(lambda m: torch.optim.Adam(m.parameters()))],
            "gar": train(GradientAllReduce, STEPS)[0],
@@ -153,6 +156,37 @@ def test_momentum_correction_matches_dgc_reference(results):
     # ... and after it, not plain TopK with the optimizer's momentum
     assert not all(torch.allclose(x, y) for x, y in zip(results[0]["dgc"][-1],
                                                          results[0]["warm"][-1]))
+
+
+def test_momentum_correction_from_the_first_step_hierarchical_on_one_node(results):
+    # hierarchical=True on a single node runs flat: DGC from step 0, as the reference
+    want = reference(STEPS, 2, DENSITY, momentum=0.9)
+    for step in range(STEPS):
+        a, b = results[0]["dgc_one_node"][step], results[1]["dgc_one_node"][step]
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), step
+        for x, w in zip(a, want[step]):
+            torch.testing.assert_close(x, w, atol=1e-6, rtol=1e-5)
+
+
+def _alone():
+    dgc = train(lambda: TopK(density=DENSITY, momentum=0.9), 4, momentum=0.0)[0]
+    model = make_model(seed=1)
+    opt = sgd(model, momentum=0.9)
+    plain = []
+    for step in range(4):
+        opt.zero_grad()
+        loss_fn(model, *batch(step, 0)).backward()
+        opt.step()
+        plain.append(params(model))
+    return dgc, plain
+
+
+def test_momentum_correction_on_one_rank_is_sgd_momentum():
+    # one rank: nothing to exchange or sparsify; the momentum (which the optimizer lacks) holds
+    dgc, plain = run_ranks(_alone, 1, timeout=120)[0]
+    for a, b in zip(dgc, plain):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
 
 
 def test_momentum_correction_state_follows_rebucketing_and_checkpoints(results):

@@ -145,21 +145,31 @@ class TopKImpl(AlgorithmImpl):
         """``u <- m u + t`` for bucket ``i``; returns ``u``."""
         return self.velocities[i][:t.numel()].mul_(self.momentum).add_(t)
 
+    def _alone(self) -> bool:
+        """No exchange among peers runs: one rank, or hierarchical on a single node (the
+        node's average is then the exact result and nothing is sparsified)."""
+        return self.group.size == 1 or (self.reducer.hierarchical and self.reducer.peers.size == 1)
+
     def bucket_ready_hook(self, ctx, bucket):
         tensor, i = bucket.grad, bucket.index
         warm = self.rounds < self.start_step
-        if self.momentum and (warm or self.group.size == 1):
-            # SGD's momentum exactly: every rank's velocity averaged is the average's velocity
-            # (one rank: nothing is sparsified, the velocity is the update)
-            def among(t, g):
-                t.copy_(self._velocity(t, i))
-                if g.size > 1:
-                    bc.allreduce_inplace(t, bc.ReduceOp.AVG if self.op_average
-                                         else bc.ReduceOp.SUM, group=g)
+        if self.momentum and self._alone():
+            # nothing is sparsified: the (node's) average, then SGD's momentum on every rank
+            def average_then_velocity():
+                self.reducer.reduce_with(tensor, lambda t, g: None, self.op_average)
+                tensor.copy_(self._velocity(tensor, i))
 
             if self.group.size == 1:
-                among(tensor, self.group)
+                average_then_velocity()
                 return None
+            return self.reducer.runner.submit(average_then_velocity)
+        if self.momentum and warm:
+            # SGD's momentum exactly: every rank's velocity averaged is the average's velocity
+            def among(t, g):
+                t.copy_(self._velocity(t, i))
+                bc.allreduce_inplace(t, bc.ReduceOp.AVG if self.op_average
+                                     else bc.ReduceOp.SUM, group=g)
+
             return self.reducer.runner.submit(
                 lambda: self.reducer.reduce_with(tensor, among, self.op_average))
         if warm:                                       # warm-up: the exact average
