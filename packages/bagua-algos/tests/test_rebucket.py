@@ -97,8 +97,12 @@ def _async_across_rebucket():
         opt.step()
         time.sleep(0.002)
     bc.barrier()
-    start = impl.rounds
-    while impl.rounds < start + 2:          # bounded by run_ranks' timeout
+    # Two more averaging rounds, counted from the same round on both ranks: each rank reading
+    # its own counter could start one round apart, and the rank that got there first aborted
+    # while the other waited for a round that needed it (a CI timeout).
+    target = torch.tensor([impl.rounds + 2])
+    bc.allreduce_inplace(target, op=bc.ReduceOp.MAX)
+    while impl.rounds < int(target.item()):  # bounded by run_ranks' timeout
         time.sleep(0.005)
     model.abort()
     return {"restarted": restarted, "rounds": (rounds, impl.rounds), "before": before,
