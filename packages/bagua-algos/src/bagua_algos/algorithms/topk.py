@@ -126,6 +126,7 @@ class TopKImpl(AlgorithmImpl):
         self.momentum = algo.momentum
         self.rounds = 0                                # synchronised steps so far
         self.op_average = algo.average
+        self.op = bc.ReduceOp.AVG if algo.average else bc.ReduceOp.SUM
         self.compressor = algo.compressor
         self.reducer = Reducer(group, algo.hierarchical, "bagua-topk")
         self.buckets = []
@@ -145,36 +146,24 @@ class TopKImpl(AlgorithmImpl):
         """``u <- m u + t`` for bucket ``i``; returns ``u``."""
         return self.velocities[i][:t.numel()].mul_(self.momentum).add_(t)
 
-    def _alone(self) -> bool:
-        """No exchange among peers runs: one rank, or hierarchical on a single node (the
-        node's average is then the exact result and nothing is sparsified)."""
-        return self.group.size == 1 or (self.reducer.hierarchical and self.reducer.peers.size == 1)
-
     def bucket_ready_hook(self, ctx, bucket):
         tensor, i = bucket.grad, bucket.index
         warm = self.rounds < self.start_step
-        if self.momentum and self._alone():
-            # nothing is sparsified: the (node's) average, then SGD's momentum on every rank
-            def average_then_velocity():
-                self.reducer.reduce_with(tensor, lambda t, g: None, self.op_average)
-                tensor.copy_(self._velocity(tensor, i))
-
-            if self.group.size == 1:
-                average_then_velocity()
-                return None
-            return self.reducer.runner.submit(average_then_velocity)
+        if self.momentum and self.group.size == 1:
+            # one rank (with_bagua runs a one-node hierarchical mode flat): nothing is
+            # exchanged or sparsified, the velocity is the update
+            tensor.copy_(self._velocity(tensor, i))
+            return None
         if self.momentum and warm:
             # SGD's momentum exactly: every rank's velocity averaged is the average's velocity
             def among(t, g):
                 t.copy_(self._velocity(t, i))
-                bc.allreduce_inplace(t, bc.ReduceOp.AVG if self.op_average
-                                     else bc.ReduceOp.SUM, group=g)
+                bc.allreduce_inplace(t, self.op, group=g)
 
             return self.reducer.runner.submit(
                 lambda: self.reducer.reduce_with(tensor, among, self.op_average))
         if warm:                                       # warm-up: the exact average
-            op = bc.ReduceOp.AVG if self.op_average else bc.ReduceOp.SUM
-            return self.reducer.allreduce(tensor, op)
+            return self.reducer.allreduce(tensor, self.op)
 
         def among(t, g):
             self.exchange(t, i, g)
