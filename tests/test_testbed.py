@@ -84,6 +84,23 @@ def test_bad_arguments_are_rejected_before_anything_is_made(kw, match):
         Testbed(**kw)
 
 
+def test_ip_and_tc_are_found_in_sbin_when_path_lacks_it(monkeypatch):
+    """A PATH without the sbin directories (``env -i``, cron) must not turn the testbed off
+    when iproute2 is installed there."""
+    import shutil
+
+    from testbed import _system
+
+    sbin = next((d for d in _system._SBIN if shutil.which("tc", path=d)), None)
+    if sbin is None:
+        pytest.skip("iproute2's tc is not installed in an sbin directory")
+    monkeypatch.setenv("PATH", "/nonexistent-bin")
+    assert shutil.which("tc") is None
+    assert _system._tools_missing() == []
+    assert sbin in os.environ["PATH"].split(os.pathsep)
+    assert os.environ["PATH"].startswith("/nonexistent-bin")   # appended, not replacing
+
+
 # -- real namespaces ------------------------------------------------------------------------
 @pytest.mark.testbed
 @pytest.mark.skipif(not OK, reason=WHY)

@@ -26,7 +26,24 @@ _SANDBOX_SCRIPT = ("mount -t tmpfs tmpfs /run && mkdir -p /run/netns && echo rea
                    "&& exec sleep 2147483647")
 
 
+#: Where iproute2 installs ``ip`` and ``tc``; a login shell's PATH has them, but a PATH made
+#: for a user (``env -i``, cron, some CI runners) often lacks the sbin directories.
+_SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
+
+
+def _find_sbin_tools() -> None:
+    """Put the sbin directories on PATH (for this process and the commands it starts) when
+    ``ip`` or ``tc`` is missing from PATH but installed there."""
+    path = os.environ.get("PATH", "")
+    have = path.split(os.pathsep)
+    extra = [d for d in _SBIN if d not in have
+             and any(shutil.which(t, path=d) for t in ("ip", "tc"))]
+    if extra and any(shutil.which(t) is None for t in ("ip", "tc")):
+        os.environ["PATH"] = os.pathsep.join([p for p in (path, *extra) if p])
+
+
 def _tools_missing() -> list[str]:
+    _find_sbin_tools()
     return [t for t in ("ip", "tc") if shutil.which(t) is None]
 
 
