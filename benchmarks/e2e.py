@@ -103,6 +103,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "(default 0: none)")
     lat.add_argument("--latencies", help="comma list of one-way delays (ms) to run each "
                      "bandwidth at, e.g. 0,5,50")
+    ap.add_argument("--tcp-slow-start-after-idle", type=int, choices=(0, 1),
+                    help="set net.ipv4.tcp_slow_start_after_idle in every emulated host (default: "
+                         "the kernel's, 1). With 1, a connection idle between steps restarts "
+                         "from its initial window: over a far link each step's burst pays "
+                         "several round trips of slow start")
     ap.add_argument("--algorithms", help="comma list of rows (default: every row; "
                     "bytegrad_flat only with --procs-per-host > 1)")
     ap.add_argument("--hosts", type=int, help="emulated hosts (network namespaces; default 2)")
@@ -367,7 +372,9 @@ def main(argv=None) -> int:
 
         ok, why = testbed_available()
     if ok:
-        tb = Testbed(n_hosts=args.hosts, bandwidth_mbit=None, name=args.testbed_name)
+        sssi = args.tcp_slow_start_after_idle
+        tb = Testbed(n_hosts=args.hosts, bandwidth_mbit=None, name=args.testbed_name,
+                     tcp_slow_start_after_idle=None if sssi is None else bool(sssi))
         tb.__enter__()
         console.print(f"[bold]testbed[/]: {args.hosts} emulated hosts "
                       f"({', '.join(h.addr for h in tb.hosts)}), {why}")

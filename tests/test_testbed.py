@@ -78,6 +78,8 @@ def test_flow_class_skips_the_parity_bit():
     ({"latency_ms": -1}, "latency_ms"),
     ({"latency_ms": "5ms"}, "latency_ms"),
     ({"latency_ms": [[0, 5]]}, "latency_ms"),
+    ({"tcp_slow_start_after_idle": 0}, "tcp_slow_start_after_idle"),
+    ({"tcp_slow_start_after_idle": "off"}, "tcp_slow_start_after_idle"),
 ])
 def test_bad_arguments_are_rejected_before_anything_is_made(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -131,6 +133,27 @@ def test_hosts_come_up_talk_and_go_down(mode):
         if mode != "unshare":
             assert len(leftovers(TBU)["netns"]) == 3
     assert leftovers(TBU) == {"netns": [], "links": []}
+
+
+TBT = _name("tbt")
+
+
+@pytest.mark.testbed
+@pytest.mark.skipif(not OK, reason=WHY)
+@pytest.mark.parametrize("mode", ["auto", "unshare"])
+def test_tcp_slow_start_after_idle_is_set_in_every_host_only(mode):
+    if mode == "unshare" and subprocess.run(["unshare", "--user", "--map-root-user", "true"],
+                                            capture_output=True).returncode != 0:
+        pytest.skip("user namespaces unavailable")
+    knob = Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle")
+    before = knob.read_text()
+    want = 1 - int(before)       # the opposite of the machine's, so the change is visible
+    with Testbed(n_hosts=2, bandwidth_mbit=None, name=TBT, mode=mode,
+                 tcp_slow_start_after_idle=bool(want)) as tb:
+        for i in range(2):
+            out = tb.run(i, ["cat", str(knob)], capture_output=True, text=True, check=True)
+            assert int(out.stdout) == want
+        assert knob.read_text() == before          # the machine's own namespace untouched
 
 
 _HOLD = textwrap.dedent("""

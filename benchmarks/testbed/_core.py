@@ -156,6 +156,10 @@ class Testbed:
     ``per_flow_mbit`` caps each TCP flow (told apart by source port; None: no cap).
     ``latency_ms`` is the one-way delay between two hosts (a number, or an n x n matrix, see
     :func:`regions`; 0/None: none), added by a user-space delay line (:mod:`.delay`).
+    ``tcp_slow_start_after_idle`` sets that kernel switch in every host's namespace (None:
+    the kernel's default, on). On, a TCP connection idle for one retransmission timeout
+    restarts from its initial window, so a step's burst over a far link pays several round
+    trips of slow start; WAN-tuned hosts turn it off.
     ``mode`` is ``"auto"`` (root if possible, else ``unshare``), ``"root"`` or ``"unshare"``.
     With ``keep=True`` the hosts outlive this object (``python benchmarks/testbed up``).
     """
@@ -164,8 +168,14 @@ class Testbed:
 
     def __init__(self, n_hosts: int = 2, bandwidth_mbit: float | None = 100,
                  per_flow_mbit: float | None = None, name: str = "bt", *,
-                 mode: str = "auto", keep: bool = False, latency_ms=None):
+                 mode: str = "auto", keep: bool = False, latency_ms=None,
+                 tcp_slow_start_after_idle: bool | None = None):
         _check_name(name)
+        if tcp_slow_start_after_idle not in (None, True, False) or isinstance(
+                tcp_slow_start_after_idle, int) and not isinstance(tcp_slow_start_after_idle,
+                                                                   bool):
+            raise ValueError(f"tcp_slow_start_after_idle must be True, False or None (the "
+                             f"kernel's default), got {tcp_slow_start_after_idle!r}")
         if isinstance(n_hosts, bool) or not isinstance(n_hosts, int) or not (
                 1 <= n_hosts <= _MAX_HOSTS):
             raise ValueError(f"n_hosts must be an int in [1, {_MAX_HOSTS}], got {n_hosts!r}")
@@ -195,6 +205,7 @@ class Testbed:
         self._sandbox: Sandbox | None = None
         self._line: DelayLineProcess | None = None
         self.latency_ms = None
+        self.tcp_slow_start_after_idle = tcp_slow_start_after_idle
         self._bring_up()
         if latency_ms:
             self.set_latency(latency_ms)
@@ -232,6 +243,11 @@ class Testbed:
             run(["ip", "-n", h.netns, "-batch", "-"], input=(
                 f"link set lo up\nlink set {h.ifname} up\n"
                 f"addr add {h.addr}/24 dev {h.ifname}\n"))
+        if self.tcp_slow_start_after_idle is not None:
+            flag = int(self.tcp_slow_start_after_idle)
+            for h in self.hosts:
+                run(["ip", "netns", "exec", h.netns, "sysctl", "-q", "-w",
+                     f"net.ipv4.tcp_slow_start_after_idle={flag}"])
         self.reshape(self.bandwidth_mbit, self.per_flow_mbit)
         # Wait for the links to leave IPv4 DAD-free "tentative" states / carrier down.
         deadline = time.monotonic() + 10

@@ -87,12 +87,18 @@ def _no_sync_run():
     return {"calls": calls, "local_b": local_b, "b": b_grads, "c_none": c_none}
 
 
-def _bytegrad_run():
-    """An algorithm whose communication cannot carry the flags still gets them right."""
+def _bytegrad_run(algo: str = "bytegrad"):
+    """An algorithm whose communication cannot carry the flags still gets them right (its
+    check runs beside the compressed allreduce: ``unused_check_beside``)."""
     rank = bc.get_rank()
     model = _Branchy()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    wrapped = with_bagua(model, [opt], ByteGrad(hierarchical=False))
+    if algo == "qadam":                   # past its one warm-up step: compressed momentum
+        opt = QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=1)
+        algorithm = QAdam(opt, hierarchical=False)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        algorithm = ByteGrad(hierarchical=False)
+    wrapped = with_bagua(model, [opt], algorithm)
     none = []
     for step in range(4):
         model.use_b = rank == 0 and step % 2 == 0
@@ -144,7 +150,8 @@ def check_hierarchical(results):
 def _all():
     return {"fp32": _run(torch.float32), "fp16": _run(torch.float16, bucket_size=128),
             "bf16": _run(torch.bfloat16, bucket_size=128), "no_sync": _no_sync_run(),
-            "bytegrad": _bytegrad_run(), "qadam warmup": _run(torch.float32, algo="qadam"),
+            "bytegrad": _bytegrad_run(), "qadam": _bytegrad_run("qadam"),
+            "qadam warmup": _run(torch.float32, algo="qadam"),
             "async warmup": _run(torch.float32, algo="async")}
 
 
@@ -192,6 +199,7 @@ def test_no_sync_accumulation_counts_as_used(runs):
     assert rank0["c_none"] and rank1["c_none"]
 
 
-def test_algorithm_that_cannot_carry_flags_keeps_unused_grads_none(runs):
+@pytest.mark.parametrize("algo", ["bytegrad", "qadam"])
+def test_algorithm_that_cannot_carry_flags_keeps_unused_grads_none(runs, algo):
     for r in runs:
-        assert r["bytegrad"] == [_expected_none(s) for s in range(4)]
+        assert r[algo] == [_expected_none(s) for s in range(4)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,7 +98,8 @@ def _auto(limit: float, model_bytes: float):
     auto = with_bagua(model, [opt], "auto")
     explicit = with_bagua(model, [opt], ByteGrad())  # an explicit algorithm: no measuring
     return {"name": rec.name, "bw": m.bandwidth_mbit, "lat": m.latency_ms, "took": took,
-            "elapsed": m.elapsed_s, "codec": m.codec_s_per_byte, "far": rec_far.name, "auto": type(auto.algorithm).__name__,
+            "elapsed": m.elapsed_s, "codec": m.codec_s_per_byte,
+            "ssai": m.tcp_slow_start_after_idle, "far": rec_far.name, "auto": type(auto.algorithm).__name__,
             "explicit": type(explicit.algorithm).__name__, "rank": bc.get_rank()}
 
 
@@ -110,6 +112,10 @@ def test_every_rank_chooses_the_same_within_the_time_bound():
     assert a["bw"] == b["bw"] and a["lat"] == b["lat"] and a["elapsed"] == b["elapsed"]
     # The codec was timed on the ranks (the slowest one's): some MB/s to some GB/s per core.
     assert a["codec"] == b["codec"] and 1e-11 < a["codec"] < 1e-6
+    # Both ranks run on this host: the kernel switch they report is this host's.
+    ssai = Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle")
+    want = (ssai.read_text().strip() != "0") if ssai.exists() else None
+    assert a["ssai"] == b["ssai"] == want
     assert a["bw"] > 0 and 0 <= a["lat"] < 50
     assert a["took"] < limit + 1.0 and b["took"] < limit + 1.0
     assert a["far"] in ("bytegrad", "low_precision_decentralized", "decentralized")
@@ -126,6 +132,19 @@ def _forced():
 def test_bagua_algorithm_overrules_auto():
     assert run_ranks(_forced, 2, env={"BAGUA_ALGORITHM": "decentralized"},
                      timeout=200) == ["Decentralized"] * 2
+
+
+def test_slow_start_after_idle_is_named_only_on_a_far_link():
+    from bagua_algos._recommend import SLOW_START_WARN_MS, slow_start_note
+
+    def m(lat, ssai):
+        return NetworkMeasurement(100.0, lat, 4, 4, 0.0, tcp_slow_start_after_idle=ssai)
+
+    far = slow_start_note(m(101.0, True))
+    assert "tcp_slow_start_after_idle=0" in far and "101 ms" in far
+    assert slow_start_note(m(101.0, False)) == ""
+    assert slow_start_note(m(101.0, None)) == ""                 # unknown: say nothing
+    assert slow_start_note(m(SLOW_START_WARN_MS / 2, True)) == ""  # near: slow start is cheap
 
 
 def test_measurement_time_limit_is_checked():

@@ -110,6 +110,37 @@ class NetworkMeasurement:
     #: seconds per float32 byte for one MinMaxUInt8 compress + decompress, on the slowest rank
     #: (None: not measured; :data:`CODEC_S_PER_BYTE` is assumed)
     codec_s_per_byte: float | None = None
+    #: net.ipv4.tcp_slow_start_after_idle on any rank (None: not Linux, unknown).  On, each
+    #: step's burst over a far link restarts TCP from its initial window (see the log line)
+    tcp_slow_start_after_idle: bool | None = None
+
+
+#: Where the switch lives (per network namespace, Linux)
+_SSAI = "/proc/sys/net/ipv4/tcp_slow_start_after_idle"
+#: The exchange latency above which the slow-start switch is worth a warning: a burst restarted
+#: from TCP's initial window of ~14 KB needs ~log2(bytes / 14 KB) round trips to reach a
+#: megabyte window (about 7), which at this latency is >= 0.1 s a step
+SLOW_START_WARN_MS = 15.0
+
+
+def _slow_start_after_idle() -> float:
+    """1.0/0.0: this host's net.ipv4.tcp_slow_start_after_idle; -1.0: not readable."""
+    try:
+        with open(_SSAI) as f:
+            return float(int(f.read().strip()) != 0)
+    except (OSError, ValueError):
+        return -1.0
+
+
+def slow_start_note(m: "NetworkMeasurement") -> str:
+    """A warning for the log line when TCP restarts slow start after idle on a far link
+    ("" otherwise)."""
+    if not m.tcp_slow_start_after_idle or m.latency_ms < SLOW_START_WARN_MS:
+        return ""
+    return (f"; note: net.ipv4.tcp_slow_start_after_idle=1 on these hosts: at "
+            f"{m.latency_ms:.0f} ms each step's burst restarts TCP from its initial window "
+            f"(several round trips); `sysctl -w net.ipv4.tcp_slow_start_after_idle=0` on every "
+            f"host removes that (docs/tradeoff.md)")
 
 
 @dataclass
@@ -284,6 +315,7 @@ def measure_network(group=None, *, time_limit_s: float = 3.0) -> NetworkMeasurem
     t0 = time.monotonic()
     if world == 1:
         return NetworkMeasurement(float("inf"), 0.0, 1, 1, 0.0)
+    ssai = _slow_start_after_idle()
     tiny, tiny_out = torch.zeros(1), torch.zeros(1)
     for _ in range(2):  # connections up, first-use costs paid
         _shift(tiny, tiny_out, dst, src, group)
@@ -293,7 +325,8 @@ def measure_network(group=None, *, time_limit_s: float = 3.0) -> NetworkMeasurem
         _shift(tiny, tiny_out, dst, src, group)
         rounds.append(time.monotonic() - t)
     # Every rank encodes at once, as in training: processes sharing cores pay for it here.
-    latency, codec = _max([sorted(rounds)[len(rounds) // 2], _codec_seconds()], group)
+    latency, codec, ssai = _max([sorted(rounds)[len(rounds) // 2], _codec_seconds(), ssai],
+                                group)
     probes, size, spent = [], 64 * 1024, _max([time.monotonic() - t0], group)[0]
     last = 0.0
     while size <= 64 * 1024 * 1024:
@@ -317,7 +350,7 @@ def measure_network(group=None, *, time_limit_s: float = 3.0) -> NetworkMeasurem
     bandwidth = size * 8 / max(t - latency, 1e-6) / 1e6
     return NetworkMeasurement(bandwidth, latency * 1e3, world, nodes,
                               _max([time.monotonic() - t0], group)[0], probes,
-                              codec / (4 * _CODEC_PROBE))
+                              codec / (4 * _CODEC_PROBE), None if ssai < 0 else bool(ssai))
 
 
 def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None = None,
@@ -361,7 +394,7 @@ def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None
                if m.codec_s_per_byte else "")
             + f" in {m.elapsed_s:.2f}s; {why}"
             + (f"; buckets of {bucket / 2**20:.0f} MiB (each bucket pays the latency)"
-               if bucket else ""))
+               if bucket else "") + slow_start_note(m))
     log.info(line)
     if group.rank == 0:
         print(line, flush=True)

@@ -125,11 +125,17 @@ class AlgorithmImpl:
     models on every rank after each step) lets ``broadcast_buffers`` broadcast rank 0's buffers
     before each training forward; ``flatten_weights = True``
     makes parameters views of one flat weight buffer per bucket (for algorithms that
-    communicate weights); ``uses_grad_buckets = False`` skips gradient buckets altogether.
+    communicate weights); ``uses_grad_buckets = False`` skips gradient buckets altogether;
+    ``unused_check_beside = True`` declares that the buckets' communication never issues a
+    collective on the group's own channel (it runs on the group's second, "aux" channel or on
+    its node groups), so that the check of which parameters no rank gave a gradient (one tiny
+    allreduce per step where the buckets cannot carry its flags) runs beside it rather than
+    after it: one exchange less of waiting per step, ~0.4 s on 4 hosts 50 ms apart.
     """
 
     flatten_weights: ClassVar[bool] = False
     uses_grad_buckets: ClassVar[bool] = True
+    unused_check_beside: ClassVar[bool] = False
     # True: every rank holds the same model after each step, so that with_bagua's
     # broadcast_buffers=True starts every training forward from rank 0's buffers (as DDP)
     synchronous: ClassVar[bool] = False

@@ -454,16 +454,21 @@ class BaguaModule(torch.nn.Module):
             grads = self.impl.uses_grad_buckets
             none_before = self._missing_grads() if grads else None
             self._launch(force=True)
+            # The flags rode in the last bucket's allreduce (GradientAllReduce: one collective
+            # per step), or are reduced in a collective of their own: beside the buckets'
+            # communication where the algorithm leaves the group's channel free
+            # (unused_check_beside: ByteGrad, QAdam), else only after it is done: an
+            # algorithm may run a chain of blocking collectives on the group from its own
+            # thread (LowRank's P then Q, the sparse allgathers), and a collective issued
+            # beside it would interleave in a different order on different ranks (gloo:
+            # "collective mismatch", exit -6).
+            own_check = grads and self.buckets and not self._carried
+            if own_check and self.impl.unused_check_beside:
+                check = self._start_unused_check(none_before)
             for _, handle in self._handles:
                 if handle is not None:
                     handle.wait()
-            # The flags rode in the last bucket's allreduce (GradientAllReduce: one collective
-            # per step), or are reduced now in a collective of their own.  Only after every
-            # bucket's communication is done: an algorithm may run a chain of blocking
-            # collectives on the group from its own thread (LowRank's P then Q, the sparse
-            # allgathers), and a collective issued beside it would interleave in a different
-            # order on different ranks (gloo: "collective mismatch", exit -6).
-            if grads and self.buckets and not self._carried:
+            if own_check and check is None:
                 check = self._start_unused_check(none_before)
             if self._comm_stream is not None:     # GPU: order, don't block the host
                 torch.cuda.current_stream(self._comm_stream.device).wait_stream(

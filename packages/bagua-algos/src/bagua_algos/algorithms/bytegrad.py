@@ -50,6 +50,10 @@ class ByteGradState:
 
 
 class ByteGradImpl(AlgorithmImpl):
+    # its buckets go through compressed_allreduce (the group's aux channel, or the node
+    # groups when hierarchical): the group's own channel is free for the unused check
+    unused_check_beside = True
+
     synchronous = True
 
     def __init__(self, group, algo: ByteGrad):

@@ -164,6 +164,10 @@ class QAdamState:
 
 
 class QAdamImpl(AlgorithmImpl):
+    # its buckets go through compressed_allreduce (the group's aux channel, or the node
+    # groups when hierarchical): the group's own channel is free for the unused check
+    unused_check_beside = True
+
     synchronous = True
 
     def __init__(self, group, algo: QAdam):
