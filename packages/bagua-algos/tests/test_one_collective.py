@@ -110,6 +110,31 @@ def _bytegrad_run(algo: str = "bytegrad"):
     return none
 
 
+def _low_rank_run():
+    """LowRank carries the flags in its first (exact) allreduce: per bucket that allreduce and,
+    where it compresses a matrix, the second one; no collective of their own."""
+    from bagua_algos import LowRank
+
+    rank = bc.get_rank()
+    model = _Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    wrapped = with_bagua(model, [opt], LowRank(rank=1, start_step=1), bucket_size=128)
+    calls, none = [], []
+    for step in range(4):
+        model.use_b = rank == 0 and step % 2 == 0
+        with _counting_collectives() as issued:
+            opt.zero_grad(set_to_none=True)
+            _step(wrapped, model, step, rank, torch.float32)
+            none.append([p.grad is None for p in model.parameters()])
+            opt.step()
+        calls.append(len(issued))
+    plans = wrapped.impl.plans
+    out = {"calls": calls, "none": none, "buckets": len(plans),
+           "per_step": sum(1 + bool(matrices) for matrices, _ in plans)}
+    wrapped.detach_algorithm()
+    return out
+
+
 def hierarchical_run():
     """For test_hierarchical's 4 ranks (2 nodes of 2): collectives per step of
     GradientAllReduce(hierarchical=True), which grads are None, and b.weight's gradient."""
@@ -151,6 +176,7 @@ def _all():
     return {"fp32": _run(torch.float32), "fp16": _run(torch.float16, bucket_size=128),
             "bf16": _run(torch.bfloat16, bucket_size=128), "no_sync": _no_sync_run(),
             "bytegrad": _bytegrad_run(), "qadam": _bytegrad_run("qadam"),
+            "low_rank": _low_rank_run(),
             "qadam warmup": _run(torch.float32, algo="qadam"),
             "async warmup": _run(torch.float32, algo="async")}
 
@@ -197,6 +223,17 @@ def test_no_sync_accumulation_counts_as_used(runs):
         torch.testing.assert_close(rank0["b"][step], want, rtol=0, atol=0)
         torch.testing.assert_close(rank1["b"][step], want, rtol=0, atol=0)
     assert rank0["c_none"] and rank1["c_none"]
+
+
+def test_low_rank_carries_the_flags_in_its_first_allreduce(runs):
+    for r in runs:
+        res = r["low_rank"]
+        assert res["none"] == [_expected_none(s) for s in range(4)]
+        assert res["buckets"] > 1 and res["per_step"] > res["buckets"]   # P and Q somewhere
+        # step 0 is the warm-up (start_step=1: one plain allreduce a bucket, the flags in
+        # the last); then P (+ flags) and Q; never a collective for the flags alone
+        assert res["calls"][0] == res["buckets"], res
+        assert res["calls"][2:] == [res["per_step"]] * 2, res
 
 
 @pytest.mark.parametrize("algo", ["bytegrad", "qadam"])

@@ -114,7 +114,9 @@ class LowRankImpl(AlgorithmImpl):
         self.device = buckets[0].device if buckets else torch.device("cpu")
 
     def plan(self, bucket):
-        """The bucket's compressed matrices and its uncompressed ``(offset, numel)`` runs."""
+        """The bucket's compressed matrices and its uncompressed ``(offset, numel)`` runs
+        (on the last bucket, the module's "got a gradient" flags after the gradients: they
+        ride in the first, exact allreduce)."""
         matrices, plain = [], []
         for name, p, off in zip(bucket.names, bucket.params, bucket.offsets):
             shape = matrix_shape(p)
@@ -125,12 +127,18 @@ class LowRankImpl(AlgorithmImpl):
                     matrices.append(_Slot(name, off, n, m, r))
                     continue
             plain.append((off, p.numel()))
+        if bucket.flags is not None:
+            plain.append((bucket.padded_numel, bucket.flags.numel()))
         return matrices, plain
+
+    def carries_unused_flags(self, ctx):
+        # the first allreduce (exact, elementwise) holds the flags: no collective of their own
+        return True
 
     def bucket_ready_hook(self, ctx, bucket):
         if self.group.size == 1:
             return None
-        tensor, plan = bucket.grad, self.plans[bucket.index]
+        tensor, plan = bucket.grad_and_flags, self.plans[bucket.index]
         if self.rounds < self.algo.start_step:      # warm-up: the exact average
             return self.reducer.exchange(
                 lambda: bc.allreduce_inplace(tensor, self.op, group=self.group))
