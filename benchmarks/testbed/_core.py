@@ -171,9 +171,8 @@ class Testbed:
                  mode: str = "auto", keep: bool = False, latency_ms=None,
                  tcp_slow_start_after_idle: bool | None = None):
         _check_name(name)
-        if tcp_slow_start_after_idle not in (None, True, False) or isinstance(
-                tcp_slow_start_after_idle, int) and not isinstance(tcp_slow_start_after_idle,
-                                                                   bool):
+        if tcp_slow_start_after_idle is not None and not isinstance(tcp_slow_start_after_idle,
+                                                                     bool):
             raise ValueError(f"tcp_slow_start_after_idle must be True, False or None (the "
                              f"kernel's default), got {tcp_slow_start_after_idle!r}")
         if isinstance(n_hosts, bool) or not isinstance(n_hosts, int) or not (

@@ -132,7 +132,7 @@ def _slow_start_after_idle() -> float:
         return -1.0
 
 
-def slow_start_note(m: "NetworkMeasurement") -> str:
+def slow_start_note(m: NetworkMeasurement) -> str:
     """A warning for the log line when TCP restarts slow start after idle on a far link
     ("" otherwise)."""
     if not m.tcp_slow_start_after_idle or m.latency_ms < SLOW_START_WARN_MS:
