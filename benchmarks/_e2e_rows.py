@@ -83,6 +83,10 @@ _VARIANTS = {  # row name: (registry name, fixed keyword arguments)
     # opt-in: more bytes per step (rank r sends r/2 times rank 2's), less loss lost per step
     "low_rank_r8": ("low_rank", {"rank": 8}),
     "low_rank_r16": ("low_rank", {"rank": 16}),
+    # rank 32 with its factors min-max quantised to 8 bits (8 chunks per rank): about rank
+    # 8's float32 bytes at rank 32's loss per step
+    "low_rank_r32_u8": ("low_rank", {"rank": 32}),
+    "low_rank_r64_u8": ("low_rank", {"rank": 64}),
     # DiLoCo with its outer gradient min-max quantised (8- or 4-bit) with error feedback, as
     # INTELLECT-1 (int8) and Streaming DiLoCo (4-bit) send it, each at the H the rule gives
     # its bytes (OUTER_BYTES); diloco_u4 is a default row, diloco_u8 opt-in
@@ -114,6 +118,10 @@ def bagua_spec(row: str, procs_per_host: int, *, warmup: int = 2,
     kwargs = dict(kwargs)
     if name == "low_rank":
         kwargs["start_step"] = powersgd_start(warmup)
+        if row.endswith("_u8"):
+            from bagua_comm.compression import MinMaxUInt8
+
+            kwargs["compressor"] = MinMaxUInt8(8 * world)
     if name == "topk":    # values min-max quantised, 4-bit where the row name says so
         from bagua_comm.compression import MinMaxUInt4, MinMaxUInt8
 
@@ -180,7 +188,9 @@ def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2, warmup: 
         return (f"{density:.1%}, {4 if row.endswith('_u4') else 8}-bit values, EF, "
                 f"{'hier' if procs_per_host > 1 else 'flat'}")
     if row.startswith("low_rank"):
-        return f"rank {_VARIANTS[row][1]['rank']}, EF, warm, start {powersgd_start(warmup)}"
+        bits = ", 8-bit factors" if row.endswith("_u8") else ""
+        return (f"rank {_VARIANTS[row][1]['rank']}{bits}, EF, warm, "
+                f"start {powersgd_start(warmup)}")
     _name, kwargs = bagua_spec(row, procs_per_host)
     parts = []
     if "peer_selection_mode" in kwargs:

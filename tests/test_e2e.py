@@ -262,6 +262,20 @@ def test_sync_rows_use_recommends_rule_and_a_compressed_row_counts_its_own_bytes
     assert "diloco_u4" in DEFAULT_ROWS and "diloco_u8" not in DEFAULT_ROWS
 
 
+def test_quantised_low_rank_rows_send_8_bit_factors_in_chunks_the_world_divides():
+    from _e2e_rows import bagua_spec, mode_note
+
+    from bagua_comm.compression import MinMaxUInt8
+
+    for row, rank in (("low_rank_r32_u8", 32), ("low_rank_r64_u8", 64)):
+        name, kwargs = bagua_spec(row, 1, world=4)
+        assert name == "low_rank" and kwargs["rank"] == rank and kwargs["start_step"] == 2
+        comp = kwargs["compressor"]
+        assert isinstance(comp, MinMaxUInt8) and comp.chunks == 32 and not comp.error_feedback
+        assert mode_note(row, 1) == f"rank {rank}, 8-bit factors, EF, warm, start 2"
+    assert "compressor" not in bagua_spec("low_rank", 1, world=4)[1]
+
+
 def test_sweep_rows_are_checked_and_added_to_the_full_run_only():
     from e2e import parse_args
 

@@ -12,6 +12,8 @@ from _ef_harness import SAVE_AT, checkpoint_cycle, resume_elsewhere, sgd, train
 
 from bagua_algos import Algorithm, GradientAllReduce, LowRank
 from bagua_algos.algorithms.low_rank import initial_q, matrix_shape
+from bagua_comm._compressed import padded_numel
+from bagua_comm.compression import MinMaxUInt8
 from bagua_comm.testing import run_ranks
 
 STEPS = 6
@@ -22,8 +24,13 @@ def _low_rank():
     return LowRank(rank=2)
 
 
+def _quantised():
+    return LowRank(rank=2, compressor=MinMaxUInt8(2))
+
+
 def _all():
-    return {"gar": train(GradientAllReduce, STEPS)[0],
+    return {"quantised": train(_quantised, STEPS)[0],
+            "gar": train(GradientAllReduce, STEPS)[0],
             "full": train(lambda: LowRank(rank=12, min_compression_rate=0), STEPS)[0],
             "low": train(_low_rank, STEPS),
             "rebucketed": train(_low_rank, STEPS, rebucket_at=3),
@@ -45,10 +52,33 @@ def test_full_rank_is_gradient_allreduce_up_to_rounding(results):
                 torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
 
 
-def reference(steps, world, rank=2, rate=2.0, lr=0.05, start_step=0):
+def quantised_mean(xs, world, chunks=2):
+    """``compressed_allreduce``'s average written out in one process: each rank's input
+    quantised in ``chunks`` chunks (zero-padded), decoded and averaged per segment, each
+    segment re-quantised in ``chunks / world`` chunks and decoded."""
+    comp = MinMaxUInt8(chunks)
+    numel = xs[0].size
+    padded = padded_numel(comp, numel, world)
+
+    def roundtrip(v, c):
+        t = torch.from_numpy(v.astype(np.float32))
+        return comp.decompress(comp.compress(t, chunks=c), torch.empty_like(t),
+                               chunks=c).double().numpy()
+
+    mean = sum(roundtrip(np.pad(x.reshape(-1), (0, padded - numel)), chunks)
+               for x in xs) / world
+    seg = padded // world
+    out = np.concatenate([roundtrip(mean[j * seg:(j + 1) * seg], chunks // world)
+                          for j in range(world)])
+    return out[:numel].reshape(xs[0].shape)
+
+
+def reference(steps, world, rank=2, rate=2.0, lr=0.05, start_step=0, quantised=False):
     """Single process, numpy float64: PowerSGD with error feedback and warm start (QR for
     the orthogonalisation, so only the column signs of P may differ, which M̂ ignores),
-    after ``start_step`` steps of the plain average."""
+    after ``start_step`` steps of the plain average.  ``quantised``: P and Q averaged by
+    :func:`quantised_mean`, Q orthonormalised before ``P = M Q``."""
+    mean = (lambda xs: quantised_mean(xs, world)) if quantised else (lambda xs: sum(xs) / world)
     model = make_model(seed=1)
     opt = sgd(model, lr)
     named = list(model.named_parameters())
@@ -70,8 +100,9 @@ def reference(steps, world, rank=2, rate=2.0, lr=0.05, start_step=0):
             ms = [g[name].reshape(shape) + err[r].get(name, 0) for r, g in enumerate(grads)]
             if name not in qs:
                 qs[name] = initial_q(name, shape[1], rr, 0, 0, "cpu").double().numpy()
-            pm = np.linalg.qr(sum(m @ qs[name] for m in ms) / world)[0]
-            qs[name] = sum(m.T @ pm for m in ms) / world
+            q = np.linalg.qr(qs[name])[0] if quantised else qs[name]
+            pm = np.linalg.qr(mean([m @ q for m in ms]))[0]
+            qs[name] = mean([m.T @ pm for m in ms])
             approx = pm @ qs[name].T
             for r, m in enumerate(ms):
                 err[r][name] = m - approx
@@ -93,6 +124,17 @@ def test_low_rank_steps_match_numpy_reference_and_ranks_stay_identical(results):
                                                                    results[0]["gar"][-1]))
     for a, b in zip(results[0]["cold"], results[1]["cold"]):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_quantised_factors_match_the_reference_and_ranks_stay_identical(results):
+    want, exact = reference(STEPS, 2, quantised=True), reference(STEPS, 2)
+    for step in range(STEPS):
+        a, b = results[0]["quantised"][step], results[1]["quantised"][step]
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), step      # bit-identical ranks
+        for x, w in zip(a, want[step]):
+            torch.testing.assert_close(x, w, atol=2e-5, rtol=1e-4)
+    # 8-bit factors are not the float32 ones: the reference tells them apart
+    assert max(float((w - e).abs().max()) for w, e in zip(want[-1], exact[-1])) > 2e-4
 
 
 def test_start_step_warms_up_with_the_plain_average_then_compresses(results):
@@ -155,3 +197,12 @@ def test_bad_arguments_raise_naming_them(kwargs, name):
         LowRank(**kwargs)
     with pytest.raises(ValueError, match=name):
         Algorithm.init("low_rank", **kwargs)
+
+
+def test_compressor_with_its_own_error_feedback_or_wrong_chunks_is_refused():
+    with pytest.raises(ValueError, match="error_feedback"):
+        LowRank(compressor=MinMaxUInt8(2, error_feedback=True))
+    with pytest.raises(ValueError, match="compressor"):
+        LowRank(compressor="uint8")
+    with pytest.raises(ValueError, match=r"LowRank\(compressor=\).*chunks \(3\).*\(2\)"):
+        LowRank(compressor=MinMaxUInt8(3)).reify(type("G", (), {"size": 2})())

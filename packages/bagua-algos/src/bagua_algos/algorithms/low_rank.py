@@ -12,6 +12,7 @@ import bagua_comm as bc
 
 from .._checks import check_bool, check_int_at_least
 from .._comm import Reducer
+from .._compression import check_chunks, check_compressor
 from ..algorithm import Algorithm, AlgorithmImpl
 
 
@@ -36,11 +37,19 @@ class LowRank(Algorithm, name="low_rank"):
     thread while backward continues.  ``Q`` factors (shared) and residuals (per rank) are
     checkpointed by parameter name; a resume at another world size keeps ``Q`` and starts
     the residuals at zero.
+
+    ``compressor`` (a :class:`bagua_comm.compression.Compressor` without error feedback of
+    its own, e.g. ``MinMaxUInt8(chunks)`` with ``chunks`` a multiple of the world size):
+    ``P`` and ``Q`` travel through ``compressed_allreduce`` instead of a float32 allreduce,
+    and the warm-started ``Q`` is orthonormalised before ``P = M Q`` so that ``P``'s columns
+    share one scale for the quantiser.  The residual ``M - M̂`` is taken with the decoded
+    factors, so it keeps the quantisation error too.  The uncompressed tensors (vectors,
+    biases, small matrices) then go in an exact allreduce of their own.
     """
 
     def __init__(self, rank: int = 2, warm_start: bool = True,
                  min_compression_rate: float = 2.0, average: bool = True, seed: int = 0,
-                 start_step: int = 0):
+                 start_step: int = 0, compressor=None):
         check_int_at_least("rank", rank, 1)
         check_bool("warm_start", warm_start)
         check_bool("average", average)
@@ -52,14 +61,22 @@ class LowRank(Algorithm, name="low_rank"):
                              f"{min_compression_rate!r}")
         check_int_at_least("seed", seed, 0)
         check_int_at_least("start_step", start_step, 0)
+        check_compressor(compressor)
+        if getattr(compressor, "error_feedback", False):
+            raise ValueError("compressor must not keep its own error feedback under LowRank "
+                             "(its residual M - P Qᵀ already carries the quantisation error): "
+                             "build it with error_feedback=False")
         self.rank = rank
         self.warm_start = warm_start
         self.min_compression_rate = float(min_compression_rate)
         self.average = average
         self.seed = seed
         self.start_step = start_step
+        self.compressor = compressor
 
     def reify(self, group):
+        if self.compressor is not None:     # every rank, before any communication
+            check_chunks(self.compressor, group.size, "LowRank(compressor=)")
         return LowRankImpl(group, self)
 
 
@@ -142,7 +159,7 @@ class LowRankImpl(AlgorithmImpl):
         if self.rounds < self.algo.start_step:      # warm-up: the exact average
             return self.reducer.exchange(
                 lambda: bc.allreduce_inplace(tensor, self.op, group=self.group))
-        return self.reducer.exchange(lambda: self.exchange(tensor, plan))
+        return self.reducer.exchange(lambda: self.exchange(tensor, plan, bucket.name))
 
     def _factor(self, s: _Slot, device) -> torch.Tensor:
         q = self.q.get(s.name)
@@ -151,9 +168,17 @@ class LowRankImpl(AlgorithmImpl):
             q = initial_q(s.name, s.m, s.r, self.algo.seed, draw, device)
         return q
 
-    def exchange(self, tensor: torch.Tensor, plan) -> None:
+    def _allreduce_factors(self, t: torch.Tensor, key: str) -> None:
+        if self.algo.compressor is None:
+            bc.allreduce_inplace(t, self.op, group=self.group)
+        elif t.numel():
+            bc.compressed_allreduce(t, t, self.op, self.algo.compressor, key=key,
+                                    group=self.group)
+
+    def exchange(self, tensor: torch.Tensor, plan, key: str = "low-rank") -> None:
         """Blocking: ``tensor`` <- its low-rank average (matrices) and exact average (rest)."""
         matrices, plain = plan
+        quantised = self.algo.compressor is not None
         dev, g = tensor.device, self.group
         plain_numel = sum(k for _, k in plain)
         p_numel = plain_numel + sum(s.n * s.r for s in matrices)
@@ -170,11 +195,20 @@ class LowRankImpl(AlgorithmImpl):
                 self.residuals[s.name] = res
             m = res.add_(tensor[s.offset:s.offset + s.n * s.m].view(s.n, s.m))  # M, in place
             p = first[pos:pos + s.n * s.r].view(s.n, s.r)
-            torch.matmul(m, self._factor(s, dev), out=p)
+            q = self._factor(s, dev)
+            if quantised:       # P's columns on one scale (the basis does not change M̂)
+                q = q.clone()
+                orthogonalize(q)
+            torch.matmul(m, q, out=p)
             pos += s.n * s.r
             ms.append(m)
             ps.append(p)
-        bc.allreduce_inplace(first, self.op, group=g)
+        if not quantised:
+            bc.allreduce_inplace(first, self.op, group=g)      # exact runs and P together
+        else:
+            if plain_numel:
+                bc.allreduce_inplace(first[:plain_numel], self.op, group=g)
+            self._allreduce_factors(first[plain_numel:], f"{key}/p")
         pos = 0
         for off, k in plain:
             tensor[off:off + k].copy_(first[pos:pos + k])
@@ -189,7 +223,7 @@ class LowRankImpl(AlgorithmImpl):
             torch.matmul(m.t(), p, out=q)
             qs.append(q)
             pos += s.m * s.r
-        bc.allreduce_inplace(second, self.op, group=g)
+        self._allreduce_factors(second, f"{key}/q")
         for s, m, p, q in zip(matrices, ms, ps, qs):
             approx = p @ q.t()
             m.sub_(approx)                       # residual: what this rank's M̂ missed
