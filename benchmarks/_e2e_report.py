@@ -112,6 +112,28 @@ def _diloco_targets(add, runs, by, c, ddp, hosts) -> None:
             "<= 0.02", v <= 0.02)
 
 
+def _sparse_targets(add, runs, by, c, hosts) -> None:
+    """Issue 27's: the best TopK/LowRank row reaches DDP's loss sooner than ByteGrad; the
+    ``topk`` row sends no more bytes a step than torch's PowerSGD hook; the ``low_rank`` row
+    (the hook's rank) reaches DDP's loss no later than the hook."""
+    rows = [a for (cc, a) in by if cc == c and a.startswith(("topk", "low_rank"))]
+    best, bg = _best(runs, c, rows), by.get((c, "bytegrad"))
+    if rows and bg and bg.get("time_to_ddp_loss_s"):
+        v = bg["time_to_ddp_loss_s"] / best["time_to_ddp_loss_s"] if best else None
+        add(f"best TopK/LowRank sooner to DDP's loss than ByteGrad (ByteGrad's time / its), "
+            f"{hosts} hosts", c, best["algorithm"] if best else "-", v, "> 1",
+            v is not None and v > 1)
+    hook, topk, low = by.get((c, "ddp_powersgd")), by.get((c, "topk")), by.get((c, "low_rank"))
+    if hook and topk and hook.get("bytes_per_step") and topk.get("bytes_per_step") is not None:
+        v = topk["bytes_per_step"] / hook["bytes_per_step"]
+        add("TopK bytes per step vs the PowerSGD hook's", c, "topk", v, "<= 1", v <= 1)
+    if hook and low and hook.get("time_to_ddp_loss_s"):
+        t = low.get("time_to_ddp_loss_s")
+        v = hook["time_to_ddp_loss_s"] / t if t else None
+        add("LowRank no later to DDP's loss than the PowerSGD hook (hook's time / its)", c,
+            "low_rank", v, ">= 1", v is not None and v >= 1)
+
+
 def check_targets(runs: list[dict]) -> list[dict]:
     """The targets of issue 16 (and the earlier ones), each with the measured value and
     whether it is met.  They are performance goals: a target not met is a finding of the
@@ -146,6 +168,7 @@ def check_targets(runs: list[dict]) -> list[dict]:
                         "> 1", v is not None and v > 1)
         if bw == 100 and hosts >= 4:
             _diloco_targets(add, runs, by, c, ddp, hosts)
+            _sparse_targets(add, runs, by, c, hosts)
         hier, flat = by.get((c, "bytegrad")), by.get((c, "bytegrad_flat"))
         if bw is not None and hier and flat and (ddp.get("procs_per_host") or 1) > 1:
             v = hier["samples_per_s"] / flat["samples_per_s"]

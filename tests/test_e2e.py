@@ -346,3 +346,32 @@ def test_an_auto_row_that_chose_diloco_is_written_as_json_and_says_its_h():
     back = json.loads(json.dumps(row))
     assert back["auto_choice"]["kwargs"]["compressor"].startswith("MinMaxUInt4(chunks=4")
     assert _mode(back) == f"chose diloco, H={kwargs['sync_every']}, 4-bit"
+
+
+def test_sparse_targets_take_the_best_topk_or_low_rank_row_against_bytegrad_and_the_hook():
+    """Issue 27's targets from a report: the best of every topk*/low_rank* row against
+    ByteGrad's time, the topk row's bytes and the low_rank row's time against torch's
+    PowerSGD hook."""
+    from _e2e_report import check_targets
+
+    def run(name, t, mb):
+        return {"algorithm": name, "status": "ok", "bandwidth_mbit": 100, "latency_ms": 0,
+                "world_size": 4, "procs_per_host": 1, "time_to_ddp_loss_s": t,
+                "speedup_vs_ddp": 1.0, "bytes_per_step": mb * 1e6,
+                "comm_s": 1.7 if name == "ddp" else 0.2, "step_s": 1.96 if name == "ddp" else 0.5}
+
+    runs = [run("ddp", 58.7, 19.85), run("bytegrad", 27.6, 4.99),
+            run("ddp_powersgd", 61.7, 0.33), run("topk", 57.7, 0.27),
+            run("low_rank", 69.7, 0.33), run("low_rank_r32_u8", 19.6, 1.01)]
+    got = {t["target"].split(" (")[0].split(",")[0]: t for t in check_targets(runs)}
+    best = got["best TopK/LowRank sooner to DDP's loss than ByteGrad"]
+    assert best["algorithm"] == "low_rank_r32_u8" and best["met"]
+    assert best["value"] == pytest.approx(27.6 / 19.6)
+    topk = got["TopK bytes per step vs the PowerSGD hook's"]
+    assert topk["value"] == pytest.approx(0.27 / 0.33) and topk["met"]
+    low = got["LowRank no later to DDP's loss than the PowerSGD hook"]
+    assert low["value"] == pytest.approx(61.7 / 69.7) and not low["met"]
+    # without the quantised row, ByteGrad stays ahead: not met
+    slower = [r for r in runs if r["algorithm"] != "low_rank_r32_u8"]
+    miss = next(t for t in check_targets(slower) if t["target"].startswith("best TopK"))
+    assert miss["algorithm"] == "topk" and not miss["met"]
