@@ -8,7 +8,8 @@
 digits), Adam lr 1e-3, batch 64 per rank, 14 epochs, the same weights and batches for every
 row of a seed.  Rows: ``ddp`` (GradientAllReduce, which is DDP bit for bit), ``topk`` (1% of
 the entries per parameter, 8-bit values; the main job's ``topk`` row sends 0.5%),
-``topk_fp`` (1%, values in float32), ``low_rank`` (rank 2), and with ``--optimizer sgd``
+``topk_fp`` (1%, values in float32), ``low_rank`` (rank 2; ``low_rank_u8``: its factors
+in 8 bits, opt-in), and with ``--optimizer sgd``
 ``topk_dgc`` (TopK with DGC's momentum correction: ``TopK(momentum=0.9)`` and SGD without
 momentum, against DDP with SGD momentum 0.9; ``topk_dgc_fp``: values in float32).  Prints correct/450 per seed and row, the mean,
 and each row's mean difference from ``ddp`` in accuracy points (target: within 1 point).
@@ -45,7 +46,9 @@ def algorithm(row, density, topk_start, low_rank_start):
                                      start_step=topk_start, momentum=MOMENTUM),
             "topk_dgc_fp": lambda: TopK(density=density, start_step=topk_start,
                                         momentum=MOMENTUM),
-            "low_rank": lambda: LowRank(rank=2, start_step=low_rank_start)}[row]()
+            "low_rank": lambda: LowRank(rank=2, start_step=low_rank_start),
+            "low_rank_u8": lambda: LowRank(rank=2, start_step=low_rank_start,
+                                           compressor=MinMaxUInt8(8 * WORLD))}[row]()
 
 
 def _rank_main(seeds, rows, opt_name, lr, epochs, density, topk_start=0, low_rank_start=0):
