@@ -55,10 +55,17 @@ def test_e2e_writes_every_field_and_ddp_traffic_matches_a_ring_allreduce(tmp_pat
     for r in report["runs"]:
         assert set(REQUIRED) <= set(r)
         assert r["bandwidth_mbit"] == (100 if report["testbed"]["used"] else None)
-        # Latency through the delay line, which kept up (no packet left > 1 ms late).
+        # Latency through the delay line: it carried the cell's packets and the report says
+        # whether it kept up (< 1% of them > 1 ms late).  Whether it does depends on the
+        # machine's load (a timing, so not asserted here: the testbed's own test measures
+        # the delay under an idle link, and the benchmarks flag a line that fell behind).
         assert r["latency_ms"] == (2 if report["testbed"]["used"] else 0)
         if report["testbed"]["used"]:
-            assert r["delay_line"]["packets"] > 0 and r["delay_line"]["kept_up"], r
+            line = r["delay_line"]
+            assert line["packets"] > 0, r
+            assert 0 <= line["late_over_1ms_frac"] <= 1
+            assert line["kept_up"] == (line["late_over_1ms_frac"] < 0.01)
+            assert ("FELL BEHIND" in line["note"]) == (not line["kept_up"])
     if report["testbed"]["used"]:
         assert "| 2 ms |" in markdown(report["runs"])
     # An algorithm bagua_algos does not register is reported, never silently skipped.
