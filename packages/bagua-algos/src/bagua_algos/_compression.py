@@ -36,6 +36,15 @@ def check_compressor(compressor) -> None:
                          f"{type(compressor).__name__}; subclass Compressor to write your own")
 
 
+def check_no_error_feedback(compressor, owner: str, residual: str) -> None:
+    """Refuse a compressor that keeps its own error feedback under ``owner``, whose
+    ``residual`` already carries the quantisation error (it would be fed back twice)."""
+    if getattr(compressor, "error_feedback", False):
+        raise ValueError(f"compressor must not keep its own error feedback under {owner} "
+                         f"({residual} already carries the quantisation error): "
+                         f"build it with error_feedback=False")
+
+
 def make_compressor(compressor, chunks: int, error_feedback: bool = False):
     """The compressor to use: ``compressor``, or ``MinMaxUInt8(chunks)`` when None."""
     if compressor is None:

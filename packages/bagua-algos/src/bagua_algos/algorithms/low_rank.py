@@ -12,7 +12,7 @@ import bagua_comm as bc
 
 from .._checks import check_bool, check_int_at_least
 from .._comm import Reducer
-from .._compression import check_chunks, check_compressor
+from .._compression import check_chunks, check_compressor, check_no_error_feedback
 from ..algorithm import Algorithm, AlgorithmImpl
 
 
@@ -62,10 +62,7 @@ class LowRank(Algorithm, name="low_rank"):
         check_int_at_least("seed", seed, 0)
         check_int_at_least("start_step", start_step, 0)
         check_compressor(compressor)
-        if getattr(compressor, "error_feedback", False):
-            raise ValueError("compressor must not keep its own error feedback under LowRank "
-                             "(its residual M - P Qᵀ already carries the quantisation error): "
-                             "build it with error_feedback=False")
+        check_no_error_feedback(compressor, "LowRank", "its residual M - P Qᵀ")
         self.rank = rank
         self.warm_start = warm_start
         self.min_compression_rate = float(min_compression_rate)

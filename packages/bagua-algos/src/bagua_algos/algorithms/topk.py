@@ -11,7 +11,7 @@ import bagua_comm as bc
 
 from .._checks import check_bool, check_int_at_least
 from .._comm import Reducer
-from .._compression import check_compressor
+from .._compression import check_compressor, check_no_error_feedback
 from .._state import export_flat, import_flat
 from ..algorithm import Algorithm, AlgorithmImpl
 
@@ -72,10 +72,7 @@ class TopK(Algorithm, name="topk"):
         check_bool("average", average)
         check_int_at_least("start_step", start_step, 0)
         check_compressor(compressor)
-        if getattr(compressor, "error_feedback", False):
-            raise ValueError("compressor must not keep its own error feedback under TopK "
-                             "(TopK's residual already carries the quantisation error): "
-                             "build it with error_feedback=False")
+        check_no_error_feedback(compressor, "TopK", "TopK's residual")
         self.hierarchical = hierarchical
         self.average = average
         self.compressor = compressor
