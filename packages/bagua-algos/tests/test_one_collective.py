@@ -1,7 +1,7 @@
 """One collective per training step (DESIGN.md §5, "DDP parity"): the "did any rank give this
 tensor a gradient" flags ride in the last bucket's allreduce instead of a collective of their
 own, for GradientAllReduce (fp32, fp16 and bf16 buckets, across no_sync() accumulation) and
-the averaging warmup steps of QAdam and AsyncModelAverage; ByteGrad, whose compressed
+the averaging warmup steps of QAdam and AsyncModelAverage, LowRank and TopK; ByteGrad, whose compressed
 communication cannot carry them, still gets unused parameters right.  (The hierarchical mode,
 hierarchical_run, runs in test_hierarchical.py's 4-rank spawn; bit-for-bit parity with DDP's
 find_unused_parameters=True is test_ddp_parity.py's.)"""
@@ -135,6 +135,36 @@ def _low_rank_run():
     return out
 
 
+def _topk_run(variant: str):
+    """TopK carries the flags: in its warm-up allreduce (start_step=1), then beside the sparse
+    exchange's indices (exact, also when the values go through a compressor)."""
+    from bagua_algos import TopK
+    from bagua_comm.compression import MinMaxUInt8
+
+    rank = bc.get_rank()
+    model = _Branchy()
+    if variant == "momentum_u8":          # DGC's momentum, 8-bit values
+        algorithm = TopK(density=0.3, start_step=1, momentum=0.9, compressor=MinMaxUInt8(2))
+    else:
+        algorithm = TopK(density=0.3, start_step=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    wrapped = with_bagua(model, [opt], algorithm, bucket_size=128)
+    calls, none, b_grads = [], [], []
+    for step in range(4):
+        model.use_b = rank == 0 and step % 2 == 0
+        with _counting_collectives() as issued:
+            opt.zero_grad(set_to_none=True)
+            _step(wrapped, model, step, rank, torch.float32)
+            none.append([p.grad is None for p in model.parameters()])
+            b_grads.append(None if model.b.weight.grad is None
+                           else model.b.weight.grad.clone())
+            opt.step()
+        calls.append(len(issued))
+    out = {"calls": calls, "none": none, "b": b_grads, "buckets": len(wrapped.buckets)}
+    wrapped.detach_algorithm()
+    return out
+
+
 def hierarchical_run():
     """For test_hierarchical's 4 ranks (2 nodes of 2): collectives per step of
     GradientAllReduce(hierarchical=True), which grads are None, and b.weight's gradient."""
@@ -177,6 +207,7 @@ def _all():
             "bf16": _run(torch.bfloat16, bucket_size=128), "no_sync": _no_sync_run(),
             "bytegrad": _bytegrad_run(), "qadam": _bytegrad_run("qadam"),
             "low_rank": _low_rank_run(),
+            "topk": _topk_run("plain"), "topk momentum_u8": _topk_run("momentum_u8"),
             "qadam warmup": _run(torch.float32, algo="qadam"),
             "async warmup": _run(torch.float32, algo="async")}
 
@@ -234,6 +265,25 @@ def test_low_rank_carries_the_flags_in_its_first_allreduce(runs):
         # the last); then P (+ flags) and Q; never a collective for the flags alone
         assert res["calls"][0] == res["buckets"], res
         assert res["calls"][2:] == [res["per_step"]] * 2, res
+
+
+@pytest.mark.parametrize("variant", ["topk", "topk momentum_u8"])
+def test_topk_carries_the_flags_beside_its_indices(runs, variant):
+    for r in runs:
+        res = r[variant]
+        assert res["buckets"] > 1
+        assert res["none"] == [_expected_none(s) for s in range(4)]
+        # step 0, the warm-up: one allreduce a bucket (the flags in the last); then each
+        # bucket's two allgathers (indices with the flags, values); nothing for the flags
+        assert res["calls"][0] == res["buckets"], res
+        assert res["calls"][2:] == [2 * res["buckets"]] * 2, res
+    rank0, rank1 = runs[0][variant], runs[1][variant]
+    for step in range(4):                 # b used on rank 0 at even steps: the same on both
+        if step % 2:
+            assert rank0["b"][step] is None and rank1["b"][step] is None
+        else:
+            assert torch.equal(rank0["b"][step], rank1["b"][step])
+            assert rank0["b"][step].abs().sum() > 0
 
 
 @pytest.mark.parametrize("algo", ["bytegrad", "qadam"])

@@ -143,8 +143,17 @@ class TopKImpl(AlgorithmImpl):
         """``u <- m u + t`` for bucket ``i``; returns ``u``."""
         return self.velocities[i][:t.numel()].mul_(self.momentum).add_(t)
 
+    def carries_unused_flags(self, ctx):
+        # flat: the warm-up allreduce holds them, the sparse exchange sends them beside its
+        # indices (exact integers, whatever the values' compressor); hierarchical: the
+        # node-level reduce and broadcast do not cover them, so the module checks them itself
+        return self.group.size > 1 and not self.reducer.hierarchical
+
     def bucket_ready_hook(self, ctx, bucket):
         tensor, i = bucket.grad, bucket.index
+        # the last bucket's flags, when this step carries them (the module asked just now)
+        flags = bucket.flags if bucket.flags is not None and self.carries_unused_flags(ctx) \
+            else None
         warm = self.rounds < self.start_step
         if self.momentum and self.group.size == 1:
             # one rank (with_bagua runs a one-node hierarchical mode flat): nothing is
@@ -155,15 +164,17 @@ class TopKImpl(AlgorithmImpl):
             # SGD's momentum exactly: every rank's velocity averaged is the average's velocity
             def among(t, g):
                 t.copy_(self._velocity(t, i))
-                bc.allreduce_inplace(t, self.op, group=g)
+                bc.allreduce_inplace(t if flags is None else bucket.grad_and_flags, self.op,
+                                     group=g)
 
             return self.reducer.runner.submit(
                 lambda: self.reducer.reduce_with(tensor, among, self.op_average))
         if warm:                                       # warm-up: the exact average
-            return self.reducer.allreduce(tensor, self.op)
+            return self.reducer.allreduce(tensor if flags is None else bucket.grad_and_flags,
+                                          self.op)
 
         def among(t, g):
-            self.exchange(t, i, g)
+            self.exchange(t, i, g, flags)
 
         return self.reducer.runner.submit(
             lambda: self.reducer.reduce_with(tensor, among, self.op_average))
@@ -192,19 +203,27 @@ class TopKImpl(AlgorithmImpl):
         out = torch.empty(padded, dtype=torch.float32, device=device)
         return self.compressor.decompress(payload, out, chunks=chunks, dtype=dtype)
 
-    def exchange(self, tensor: torch.Tensor, i: int, g: bc.ProcessGroup) -> None:
-        """Blocking: ``tensor`` <- the average (sum) over ``g`` of every member's top-k."""
+    def exchange(self, tensor: torch.Tensor, i: int, g: bc.ProcessGroup,
+                 flags: torch.Tensor | None = None) -> None:
+        """Blocking: ``tensor`` <- the average (sum) over ``g`` of every member's top-k.
+
+        ``flags`` (the last bucket's "got a gradient" flags, 0 or 1): sent after the indices
+        and replaced by their sum over ``g``, so that no collective of their own is needed."""
         b, slots, residual = self.buckets[i], self.slots[i], self.residuals[i]
         n, numel, dev, dtype = g.size, b.numel, tensor.device, tensor.dtype
         k = sum(s[2] for s in slots)
+        f = 0 if flags is None else flags.numel()
         # corrected gradient (momentum correction: the velocity), in place
         residual.add_(self._velocity(tensor, i) if self.momentum else tensor)
         index_dtype = torch.int32 if numel < 2 ** 31 else torch.int64
-        indices = torch.empty(k, dtype=index_dtype, device=dev)
+        sent_idx = torch.empty(k + f, dtype=index_dtype, device=dev)
+        indices = sent_idx[:k]
         select(residual, slots, indices)
+        if f:
+            sent_idx[k:].copy_(flags)
         values = residual[indices]
-        all_idx = torch.empty(n * k, dtype=index_dtype, device=dev)
-        works = [bc.allgather(indices, all_idx, group=g, async_op=True)]
+        all_idx = torch.empty(n * (k + f), dtype=index_dtype, device=dev)
+        works = [bc.allgather(sent_idx, all_idx, group=g, async_op=True)]
         if self.compressor is None:
             sent = values.to(dtype)
             all_vals = torch.empty(n * k, dtype=dtype, device=dev)
@@ -221,7 +240,10 @@ class TopKImpl(AlgorithmImpl):
         dense = torch.zeros(numel, dtype=torch.float32, device=dev)
         for w in works:
             w.wait()
-        all_idx = all_idx.view(n, k)
+        all_idx = all_idx.view(n, k + f)
+        if f:
+            flags.copy_(all_idx[:, k:].sum(0))
+        all_idx = all_idx[:, :k]
         for r in range(n):                             # rank order: the same sum everywhere
             if self.compressor is None:
                 vals = all_vals[r * k:(r + 1) * k].float()
