@@ -13,6 +13,7 @@ import bagua_comm as bc
 from .._checks import check_bool, check_int_at_least
 from .._comm import Reducer
 from .._compression import check_chunks, check_compressor, check_no_error_feedback
+from .._spares import Spares
 from ..algorithm import Algorithm, AlgorithmImpl
 
 
@@ -122,9 +123,11 @@ class LowRankImpl(AlgorithmImpl):
         self.residuals: dict[str, torch.Tensor] = {}   # this rank's
         self.rounds = 0                                # synchronised steps so far
         self.device = torch.device("cpu")
+        self.spares = Spares()          # the next residuals (a skipped step drops them)
 
     def init_operations(self, ctx, buckets):
         self.plans = [self.plan(b) for b in buckets]
+        self.spares.clear()
         self.device = buckets[0].device if buckets else torch.device("cpu")
 
     def plan(self, bucket):
@@ -190,7 +193,9 @@ class LowRankImpl(AlgorithmImpl):
             if res is None or res.shape != (s.n, s.m):
                 res = torch.zeros(s.n, s.m, dtype=torch.float32, device=dev)
                 self.residuals[s.name] = res
-            m = res.add_(tensor[s.offset:s.offset + s.n * s.m].view(s.n, s.m))  # M, in place
+            # M, in a spare: the next residual, kept unless GradScaler skips the step
+            m = torch.add(res, tensor[s.offset:s.offset + s.n * s.m].view(s.n, s.m),
+                          out=self.spares.take(res))
             p = first[pos:pos + s.n * s.r].view(s.n, s.r)
             q = self._factor(s, dev)
             if quantised:       # P's columns on one scale (the basis does not change M̂)
@@ -221,11 +226,18 @@ class LowRankImpl(AlgorithmImpl):
             qs.append(q)
             pos += s.m * s.r
         self._allreduce_factors(second, f"{key}/q")
+        # The same on every rank: an overflow on any rank made the allreduced factors
+        # non-finite, GradScaler skips this step everywhere, and the residuals and Q stay as
+        # they were (as DDP keeps nothing of a skipped step; kept, the NaN would skip every
+        # later step too).
+        finite = bool(torch.isfinite(second).all())
         for s, m, p, q in zip(matrices, ms, ps, qs):
             approx = p @ q.t()
             m.sub_(approx)                       # residual: what this rank's M̂ missed
+            self.spares.settle(self.residuals, s.name, m, finite)
+            if finite:
+                self.q[s.name] = q.clone()
             tensor[s.offset:s.offset + s.n * s.m].view(s.n, s.m).copy_(approx)
-            self.q[s.name] = q.clone()
 
     def post_backward_hook(self, ctx):
         self.rounds += 1

@@ -12,6 +12,7 @@ import bagua_comm as bc
 from .._checks import check_bool, check_int_at_least
 from .._comm import Reducer
 from .._compression import check_compressor, check_no_error_feedback
+from .._spares import Spares
 from .._state import export_flat, import_flat
 from ..algorithm import Algorithm, AlgorithmImpl
 
@@ -130,9 +131,11 @@ class TopKImpl(AlgorithmImpl):
         self.residuals: list[torch.Tensor] = []
         self.velocities: list[torch.Tensor] = []      # momentum correction's u (momentum > 0)
         self.slots: list[list[tuple[int, int, int]]] = []
+        self.spares = Spares()      # the next residuals / velocities (a skipped step drops them)
 
     def init_operations(self, ctx, buckets):
         self.buckets = buckets
+        self.spares.clear()
         self.slots = [plan(b, self.density) for b in buckets]
         self.residuals = [torch.zeros(b.padded_numel, dtype=torch.float32, device=b.device)
                           for b in buckets]
@@ -140,8 +143,22 @@ class TopKImpl(AlgorithmImpl):
                            for b in buckets] if self.momentum else []
 
     def _velocity(self, t: torch.Tensor, i: int) -> torch.Tensor:
-        """``u <- m u + t`` for bucket ``i``; returns ``u``."""
-        return self.velocities[i][:t.numel()].mul_(self.momentum).add_(t)
+        """Bucket ``i``'s next velocity ``m u + t``, in a spare: :meth:`Spares.settle` keeps
+        it once the step is known not to be skipped."""
+        u = self.spares.take(self.velocities[i])
+        torch.mul(self.velocities[i], self.momentum, out=u)
+        return u.add_(t)
+
+    def _momentum_step(self, t: torch.Tensor, i: int, g: bc.ProcessGroup | None,
+                       whole: torch.Tensor | None = None) -> None:
+        """``t <- u <- m u + t``, then averaged over ``g`` when given (allreducing ``whole``,
+        ``t`` followed by the flags, when given); the new ``u`` is kept unless the result is
+        not finite (an overflow on some rank: GradScaler skips the step everywhere)."""
+        u = self._velocity(t, i)
+        t.copy_(u)
+        if g is not None:
+            bc.allreduce_inplace(t if whole is None else whole, self.op, group=g)
+        self.spares.settle(self.velocities, i, u, bool(torch.isfinite(t).all()))
 
     def carries_unused_flags(self, ctx):
         # flat: the warm-up allreduce holds them, the sparse exchange sends them beside its
@@ -158,14 +175,12 @@ class TopKImpl(AlgorithmImpl):
         if self.momentum and self.group.size == 1:
             # one rank (with_bagua runs a one-node hierarchical mode flat): nothing is
             # exchanged or sparsified, the velocity is the update
-            tensor.copy_(self._velocity(tensor, i))
+            self._momentum_step(tensor, i, None)
             return None
         if self.momentum and warm:
             # SGD's momentum exactly: every rank's velocity averaged is the average's velocity
             def among(t, g):
-                t.copy_(self._velocity(t, i))
-                bc.allreduce_inplace(t if flags is None else bucket.grad_and_flags, self.op,
-                                     group=g)
+                self._momentum_step(t, i, g, None if flags is None else bucket.grad_and_flags)
 
             return self.reducer.runner.submit(
                 lambda: self.reducer.reduce_with(tensor, among, self.op_average))
@@ -209,12 +224,15 @@ class TopKImpl(AlgorithmImpl):
 
         ``flags`` (the last bucket's "got a gradient" flags, 0 or 1): sent after the indices
         and replaced by their sum over ``g``, so that no collective of their own is needed."""
-        b, slots, residual = self.buckets[i], self.slots[i], self.residuals[i]
+        b, slots = self.buckets[i], self.slots[i]
         n, numel, dev, dtype = g.size, b.numel, tensor.device, tensor.dtype
         k = sum(s[2] for s in slots)
         f = 0 if flags is None else flags.numel()
-        # corrected gradient (momentum correction: the velocity), in place
-        residual.add_(self._velocity(tensor, i) if self.momentum else tensor)
+        # the corrected gradient (momentum correction: the velocity), which becomes the
+        # residual: written into spares, kept at the end unless the step is skipped
+        velocity = self._velocity(tensor, i) if self.momentum else None
+        residual = self.spares.take(self.residuals[i])
+        torch.add(self.residuals[i], tensor if velocity is None else velocity, out=residual)
         index_dtype = torch.int32 if numel < 2 ** 31 else torch.int64
         sent_idx = torch.empty(k + f, dtype=index_dtype, device=dev)
         indices = sent_idx[:k]
@@ -235,8 +253,8 @@ class TopKImpl(AlgorithmImpl):
             works.append(bc.allgather(payload, all_vals, group=g, async_op=True))
             sent = self._decode(payload, shape, dtype, dev)[:k]
         residual.index_add_(0, indices, sent, alpha=-1)   # error feedback: keep what was not sent
-        if self.momentum:                              # momentum factor masking
-            self.velocities[i].index_fill_(0, indices.long(), 0.0)
+        if velocity is not None:                       # momentum factor masking
+            velocity.index_fill_(0, indices.long(), 0.0)
         dense = torch.zeros(numel, dtype=torch.float32, device=dev)
         for w in works:
             w.wait()
@@ -253,6 +271,14 @@ class TopKImpl(AlgorithmImpl):
             dense.index_add_(0, all_idx[r], vals)
         if self.op_average:
             dense.div_(n)
+        # An overflow on any rank reached every rank (top-k picks NaN and infinity first):
+        # GradScaler skips this step everywhere, and the residual and velocity stay as they
+        # were, as DDP keeps nothing of a skipped step (kept, the overflow would be sent, and
+        # skip the step, forever after).
+        finite = bool(torch.isfinite(dense).all())
+        self.spares.settle(self.residuals, i, residual, finite)
+        if velocity is not None:
+            self.spares.settle(self.velocities, i, velocity, finite)
         tensor[:numel].copy_(dense)
         tensor[numel:].zero_()
 
