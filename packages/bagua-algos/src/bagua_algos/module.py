@@ -39,9 +39,9 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
     module switches it to another algorithm.
 
     ``broadcast_buffers=True`` (DDP's default): with a synchronous algorithm
-    (GradientAllReduce, ByteGrad, QAdam) every training forward starts from rank 0's buffers
-    (BatchNorm running statistics), broadcast just before it; the other algorithms leave each
-    rank its own buffers (their pages say how they treat them).
+    (GradientAllReduce, ByteGrad, QAdam, TopK, LowRank) every training forward starts from
+    rank 0's buffers (BatchNorm running statistics), broadcast just before it; the other
+    algorithms leave each rank its own buffers (their pages say how they treat them).
 
     ``autotune=True`` (or ``BAGUA_AUTOTUNE=1``) tunes the bucket size (and other knobs that
     leave the algorithm's maths unchanged) during the first steps of training, starting from

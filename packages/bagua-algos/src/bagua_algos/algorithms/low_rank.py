@@ -113,6 +113,10 @@ class _Slot:
 
 
 class LowRankImpl(AlgorithmImpl):
+    # every rank decodes the same exchanged data: identical models after each step, so
+    # broadcast_buffers=True starts each training forward from rank 0's buffers (as DDP)
+    synchronous = True
+
     def __init__(self, group, algo: LowRank):
         super().__init__(group)
         self.algo = algo
