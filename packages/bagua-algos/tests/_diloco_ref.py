@@ -20,8 +20,11 @@ def set_flat(model, vec) -> None:
 
 def simulate(world: int, steps: int, *, sync_every: int, outer_lr=0.7, outer_momentum=0.9,
              nesterov=True, fragments=1, overlap=0, inner="sgd", seed=1,
-             model_fn=make_model, batch_fn=batch, resume=None):
+             model_fn=make_model, batch_fn=batch, resume=None, skipped=()):
     """Per step, every rank's flat parameters after that step: ``out[t][r]``.
+
+    ``skipped``: ``(t, r)`` pairs whose inner optimizer step does not happen (a step
+    torch.amp.GradScaler skips on rank ``r`` only); it still counts towards ``sync_every``.
 
     ``resume``: start every rank after step ``resume["step"]`` (no sync in flight) from the
     model and inner optimizer state ``resume["model"]``/``["optimizer"]`` and the flat
@@ -49,7 +52,8 @@ def simulate(world: int, steps: int, *, sync_every: int, outer_lr=0.7, outer_mom
         for r, (m, o) in enumerate(zip(models, opts)):
             o.zero_grad()
             loss_fn(m, *batch_fn(t - 1, r)).backward()
-            o.step()
+            if (t, r) not in skipped:
+                o.step()
         thetas = [flat(m) for m in models]
         for p in sorted(in_flight):
             apply_at, delta, starts = in_flight[p]

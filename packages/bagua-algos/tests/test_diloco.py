@@ -82,9 +82,34 @@ CASES = {
 }
 
 
+def _train_scaled(overflow_step: int):
+    """DiLoCo(sync_every=3) under torch.amp.GradScaler, rank 1's loss infinite at
+    ``overflow_step`` (0-based): the scaler skips that inner step on rank 1 only."""
+    rank = bc.get_rank()
+    model = make_model(1)
+    opt = inner_optimizer(model, "sgd")
+    wrapped = with_bagua(model, [opt], DiLoCo(sync_every=3))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    traj = []
+    for t in range(STEPS):
+        opt.zero_grad()
+        loss = loss_fn(wrapped, *batch(t, rank))
+        if t == overflow_step and rank == 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        traj.append(flat(model))
+    steps = wrapped.impl.steps
+    wrapped.detach_algorithm()
+    return traj, steps, scaler.get_scale()
+
+
 def _all_cases():
     # one spawn for the whole file (spawning ranks is the slow part on a loaded machine)
     out = {"bad input": _bad_input()}
+    # the skipped step is a sync step (t = 3) / the last step (t = STEPS, a sync step too)
+    out["scaler"] = {s: _train_scaled(s) for s in (2, STEPS - 1)}
     out.update({name: _train(kw, inner) for name, (kw, inner) in CASES.items()})
     out["local_sgd every step"] = _train({"sync_every": 1}, local=True)
     out["anchor on cpu"] = _train({"sync_every": 3, "anchor_device": "cpu"}, "adam")
@@ -106,6 +131,19 @@ def test_matches_the_single_process_simulation(results, case):
         traj, _, _ = results[r][case]
         for t in range(STEPS):
             assert torch.allclose(traj[t], ref[t][r], rtol=0, atol=2e-6), (case, r, t + 1)
+
+
+@pytest.mark.parametrize("overflow_step", [2, STEPS - 1])
+def test_step_skipped_by_grad_scaler_on_one_rank_still_counts(results, overflow_step):
+    # Before, rank 1 counted one step fewer: it reached every later sync one step late and
+    # the last one never (rank 0 waited for it until gloo's timeout).
+    ref = simulate(2, STEPS, sync_every=3, skipped={(overflow_step + 1, 1)})
+    for r in range(2):
+        traj, steps, scale = results[r]["scaler"][overflow_step]
+        assert steps == STEPS                            # every rank counted every step
+        assert scale == (1024.0 if r == 0 else 512.0)    # only rank 1 skipped its step
+        for t in range(STEPS):
+            assert torch.allclose(traj[t], ref[t][r], rtol=0, atol=2e-6), (r, t + 1)
 
 
 def test_ranks_differ_between_syncs_and_are_identical_after(results):

@@ -27,6 +27,7 @@ import bagua_comm as bc
 from .._checks import check_bool, check_int_at_least
 from .._comm import Handle, Reducer
 from .._compression import check_chunks, check_compressor
+from .._overflow import all_finite
 from ..algorithm import Algorithm, AlgorithmImpl
 
 
@@ -155,6 +156,7 @@ class DiLoCoImpl(AlgorithmImpl):
         if self.compressor is not None:
             check_chunks(self.compressor, self.reducer.peers.size, "DiLoCo compressor")
         self.steps = 0                 # completed inner steps (every given optimizer stepped)
+        self._counted = False          # this backward's step was counted (not finite)
         self._counts: dict[int, int] = {}
         self.pending: dict[int, _Sync] = {}
         self.params = None
@@ -213,10 +215,28 @@ class DiLoCoImpl(AlgorithmImpl):
                 p.detach().copy_(whole.view_as(p))
 
     # -- steps ----------------------------------------------------------------------------------
+    # Inner steps are counted by the optimizers' step hooks, except a step whose gradients
+    # are not finite on this rank: torch.amp.GradScaler skips it here (maybe here only), its
+    # hooks never run, and the other ranks, which stepped, would wait at the next sync for
+    # this rank forever.  Such a step is counted at the end of its backward instead, and the
+    # hooks of any optimizer that steps anyway (no GradScaler) are ignored until the next
+    # backward, so that every rank counts every step once.
+    def post_backward_hook(self, ctx):
+        self._counted = False
+        if not all_finite([p.grad for p in self.params]):
+            self._counted = True
+            self._advance(self.steps + 1)
+
     def post_optimizer_step_hook(self, ctx, optimizer):
+        if self._counted:
+            return
         # An inner step is complete once every given optimizer has stepped (in any order).
         self.counts_of[id(optimizer)] = self.counts_of.get(id(optimizer), 0) + 1
-        done = min(self.counts_of.values())
+        self._advance(min(self.counts_of.values()))
+
+    def _advance(self, done: int) -> None:
+        for k, c in self.counts_of.items():
+            self.counts_of[k] = max(c, done)
         while self.steps < done:
             self.steps += 1
             self.on_step(self.steps)

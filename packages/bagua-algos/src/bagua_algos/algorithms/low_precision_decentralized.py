@@ -10,6 +10,7 @@ import bagua_comm as bc
 from .._checks import check_bool, check_interval
 from .._comm import Reducer
 from .._compression import alignment, check_compressor, make_compressor
+from .._overflow import all_finite
 from .._state import export_flat, import_flat
 from ..algorithm import Algorithm, AlgorithmImpl
 
@@ -185,10 +186,7 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         self._owed, self._stepped = ctx.step, set()
         if not self._communicates(ctx.step):
             return
-        grads = [p.grad for b in self.buckets for p in b.params
-                 if p.grad is not None and p.grad.numel()]
-        if grads and not bool(torch.stack(torch._foreach_norm(grads, float("inf")))
-                              .isfinite().all()):
+        if not all_finite([p.grad for b in self.buckets for p in b.params]):
             self._round(ctx.step)
 
     def post_optimizer_step_hook(self, ctx, optimizer):

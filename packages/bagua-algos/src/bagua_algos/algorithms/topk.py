@@ -12,7 +12,7 @@ import bagua_comm as bc
 from .._checks import check_bool, check_int_at_least
 from .._comm import Reducer
 from .._compression import check_compressor, check_no_error_feedback
-from .._spares import Spares
+from .._overflow import Spares
 from .._state import export_flat, import_flat
 from ..algorithm import Algorithm, AlgorithmImpl
 

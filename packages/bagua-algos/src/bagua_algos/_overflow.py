@@ -1,4 +1,9 @@
-"""State that a step skipped by ``torch.amp.GradScaler`` leaves as it was.
+"""What a gradient overflow (a step ``torch.amp.GradScaler`` skips) asks of the algorithms.
+
+:func:`all_finite` tells that this rank's step will be skipped; algorithms that count
+optimizer steps (DiLoCo) or owe a round per step (LowPrecisionDecentralized) count it there,
+since the skipped step's optimizer hooks never run and the peers must still find its
+collectives.  :class:`Spares` keeps state that a skipped step must leave as it was.
 
 An error-feedback algorithm (TopK's residuals and DGC velocities, LowRank's residuals)
 updates per-rank state from each step's gradient.  When any rank's gradient overflows, the
@@ -13,6 +18,18 @@ pool holds one tensor per shape in use.
 from __future__ import annotations
 
 import torch
+
+
+def all_finite(tensors) -> bool:
+    """Whether every tensor of ``tensors`` (e.g. this rank's gradients) is finite: one host
+    synchronisation, whatever their number."""
+    tensors = [t._values() if t.is_sparse else t for t in tensors if t is not None]
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return True
+    norms = torch._foreach_norm(tensors, float("inf"))
+    dev = norms[0].device
+    return bool(torch.stack([n.float().to(dev) for n in norms]).isfinite().all())
 
 
 class Spares:
