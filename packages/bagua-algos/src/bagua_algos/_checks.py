@@ -24,3 +24,37 @@ def check_bucket_size(bucket_size, name: str = "bucket_size") -> int:
         raise ValueError(f"{name} must be a positive integer number of bytes (e.g. "
                          f"10 * 1024 * 1024 for 10 MiB), got {bucket_size!r}")
     return bucket_size
+
+
+COMPRESSIBLE = ("float32", "float16", "bfloat16")
+
+
+def check_model(model, algorithm) -> None:
+    """What :func:`with_bagua` can tell from the model alone, on every rank before any
+    communication: sparse gradients under an algorithm of dense gradient buckets, and
+    parameters a compressing algorithm cannot quantise.  ``ValueError`` names them."""
+    import torch
+
+    owner = type(algorithm).__name__
+    if algorithm.dense_gradients:
+        sparse = [name for name, m in model.named_modules()
+                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                  and m.sparse and m.weight.requires_grad]
+        if sparse:
+            raise ValueError(
+                f"model: modules {sparse} are {type(model.get_submodule(sparse[0])).__name__}"
+                f"(sparse=True), whose gradients are sparse; {owner} reduces gradients in "
+                f"dense buckets. Build them with sparse=False, or use an algorithm that "
+                f"averages weights (Decentralized, LowPrecisionDecentralized, DiLoCo)")
+    if algorithm.compresses():
+        bad = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad and str(p.dtype).removeprefix("torch.") not in COMPRESSIBLE:
+                bad.setdefault(str(p.dtype).removeprefix("torch."), []).append(name)
+        if bad:
+            dtype, names = next(iter(bad.items()))
+            raise ValueError(
+                f"model: parameters {names[:4]}{' ...' if len(names) > 4 else ''} are "
+                f"{dtype}; {owner} quantises float32, float16 or bfloat16 tensors only. "
+                f"Cast the model (model.float()) or use GradientAllReduce")
+

@@ -75,6 +75,14 @@ class Algorithm:
     """
 
     name: ClassVar[str | None] = None
+    #: True: gradients travel in dense buckets, so a parameter with sparse gradients
+    #: (``torch.nn.Embedding(sparse=True)``) is refused at :func:`with_bagua`.
+    dense_gradients: ClassVar[bool] = False
+
+    def compresses(self) -> bool:
+        """True when this algorithm quantises the tensors it sends, so that every trainable
+        parameter must be float32, float16 or bfloat16 (checked at :func:`with_bagua`)."""
+        return False
 
     def __init_subclass__(cls, name: str | None = None, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -15,7 +15,7 @@ import bagua_comm as bc
 
 from . import _autotune, _consistency
 from ._bucket import BaguaBucket
-from ._checks import check_bucket_size
+from ._checks import check_bucket_size, check_model
 from ._compiled import eager as _eager
 from ._compiled import uncompiled as _uncompiled
 from .algorithm import Algorithm, AlgorithmImpl, BaguaContext
@@ -75,7 +75,8 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
     if not isinstance(algorithm, Algorithm):
         raise ValueError("algorithm must be a bagua_algos.Algorithm (e.g. GradientAllReduce() or "
                          f"Algorithm.init('gradient_allreduce')), got {type(algorithm).__name__}")
-    algorithm.check_wrap(model, optimizers)    # every rank, before any communication
+    check_model(model, algorithm)              # every rank, before any communication
+    algorithm.check_wrap(model, optimizers)
     if not bc.is_initialized() and torch.distributed.is_initialized():
         bc.init_process_group()  # adopt torch's default process group (DDP users' habit)
     if not bc.is_initialized():
@@ -364,6 +365,11 @@ class BaguaModule(torch.nn.Module):
             Variable._execution_engine.queue_callback(self._backward_end)
 
     def _grad_ready(self, param) -> None:
+        if param.grad is not None and param.grad.is_sparse and self.impl.uses_grad_buckets:
+            names = {id(p): n for n, p in self.ctx.module.named_parameters()}
+            raise ValueError(f"parameter {names.get(id(param), '?')!r} got a sparse gradient; "
+                             f"{type(self.algorithm).__name__} reduces gradients in dense "
+                             f"buckets: make it dense (e.g. Embedding(sparse=False))")
         if not self._sync:
             self._used_nosync.add(id(param))
             return

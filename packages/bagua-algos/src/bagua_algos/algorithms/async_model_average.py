@@ -25,6 +25,10 @@ class AsyncModelAverage(Algorithm, name="async"):
     weights are applied by the training thread before the next forward, never during one.
     """
 
+    @property
+    def dense_gradients(self):
+        return self.warmup_steps > 0      # its warm-up allreduces gradient buckets
+
     def __init__(self, peer_selection_mode: str = "all", sync_interval_ms: int = 500,
                  warmup_steps: int = 0):
         if peer_selection_mode != "all":

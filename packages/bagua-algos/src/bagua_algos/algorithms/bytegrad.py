@@ -20,6 +20,11 @@ class ByteGrad(Algorithm, name="bytegrad"):
     bit-identical.
     """
 
+    dense_gradients = True
+
+    def compresses(self):
+        return True
+
     def __init__(self, hierarchical: bool = True, average: bool = True,
                  error_feedback: bool = False, compressor=None):
         check_bool("hierarchical", hierarchical)

@@ -20,6 +20,8 @@ class GradientAllReduce(Algorithm, name="gradient_allreduce"):
     broadcasts back inside the node: inter-node traffic shrinks by the ranks per node.
     """
 
+    dense_gradients = True
+
     def __init__(self, hierarchical: bool = False, average: bool = True):
         _check_bool("hierarchical", hierarchical)
         _check_bool("average", average)

@@ -29,6 +29,9 @@ class LowPrecisionDecentralized(Algorithm, name="low_precision_decentralized"):
     among node leaders.
     """
 
+    def compresses(self):
+        return True
+
     def __init__(self, hierarchical: bool = True, communication_interval: int = 1,
                  compressor=None):
         check_bool("hierarchical", hierarchical)

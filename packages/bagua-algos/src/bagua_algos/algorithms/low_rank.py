@@ -48,6 +48,8 @@ class LowRank(Algorithm, name="low_rank"):
     biases, small matrices) then go in an exact allreduce of their own.
     """
 
+    dense_gradients = True
+
     def __init__(self, rank: int = 2, warm_start: bool = True,
                  min_compression_rate: float = 2.0, average: bool = True, seed: int = 0,
                  start_step: int = 0, compressor=None):

@@ -126,6 +126,11 @@ class QAdam(Algorithm, name="qadam"):
     ``bagua_comm.compression.Compressor``, default ``MinMaxUInt8``); ranks stay
     bit-identical."""
 
+    dense_gradients = True
+
+    def compresses(self):
+        return True
+
     def __init__(self, q_adam_optimizer: QAdamOptimizer, hierarchical: bool = True,
                  compressor=None):
         if not isinstance(q_adam_optimizer, QAdamOptimizer):

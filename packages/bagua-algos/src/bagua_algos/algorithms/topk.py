@@ -61,6 +61,11 @@ class TopK(Algorithm, name="topk"):
     rank's velocity, which is the velocity of the average).
     """
 
+    dense_gradients = True
+
+    def compresses(self):
+        return self.compressor is not None
+
     def __init__(self, density: float = 0.01, hierarchical: bool = False,
                  average: bool = True, compressor=None, start_step: int = 0,
                  momentum: float = 0.0):

@@ -1,0 +1,125 @@
+"""What ``with_bagua`` refuses from the model alone, before any communication: sparse
+gradients under an algorithm of dense gradient buckets, and parameters a compressing algorithm
+cannot quantise.  Before, both crashed in the middle of backward (sparse: "Cannot access data
+pointer of Tensor that doesn't have storage"; float64: a bagua_comm message naming neither the
+parameter nor the algorithm).  Single-process cases run with no process group at all: the
+error comes before with_bagua looks for one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bagua_comm as bc
+from bagua_algos import (
+    AsyncModelAverage,
+    ByteGrad,
+    Decentralized,
+    DiLoCo,
+    GradientAllReduce,
+    LowPrecisionDecentralized,
+    LowRank,
+    QAdam,
+    QAdamOptimizer,
+    TopK,
+    with_bagua,
+)
+from bagua_comm.compression import MinMaxUInt8
+from bagua_comm.testing import run_ranks
+
+
+class _Emb(torch.nn.Module):
+    def __init__(self, sparse: bool, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = torch.nn.Embedding(20, 6, sparse=sparse)
+        self.head = torch.nn.Linear(6, 1).to(dtype)
+
+    def forward(self, i):
+        return self.head(self.tok(i).to(self.head.weight.dtype))
+
+
+def _wrap(model, make):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if make == "qadam":
+        opt = QAdamOptimizer(model.parameters(), lr=0.01)
+        return with_bagua(model, [opt], QAdam(opt))
+    return with_bagua(model, [opt], make())
+
+
+DENSE = {"gradient_allreduce": GradientAllReduce, "bytegrad": ByteGrad, "qadam": "qadam",
+         "topk": TopK, "low_rank": LowRank,
+         "async with warm-up": lambda: AsyncModelAverage(warmup_steps=2)}
+WEIGHTS = {"decentralized": Decentralized, "low_precision_decentralized":
+           LowPrecisionDecentralized, "diloco": DiLoCo, "async": AsyncModelAverage}
+COMPRESSING = {"bytegrad": ByteGrad, "qadam": "qadam", "low_precision_decentralized":
+               LowPrecisionDecentralized,
+               "topk with a compressor": lambda: TopK(compressor=MinMaxUInt8(2))}
+EXACT = {"gradient_allreduce": GradientAllReduce, "topk": TopK, "low_rank": LowRank,
+         "decentralized": Decentralized, "diloco": DiLoCo}
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group():
+    assert not bc.is_initialized()
+
+
+@pytest.mark.parametrize("name", list(DENSE))
+def test_sparse_embedding_is_refused_by_dense_gradient_buckets(name):
+    with pytest.raises(ValueError, match=r"modules \['tok'\] are Embedding\(sparse=True\).*"
+                                         r"sparse=False"):
+        _wrap(_Emb(sparse=True), DENSE[name])
+
+
+@pytest.mark.parametrize("name", list(WEIGHTS))
+def test_sparse_embedding_passes_where_weights_are_averaged(name):
+    with pytest.raises(RuntimeError, match="not initialised"):   # past the model checks
+        _wrap(_Emb(sparse=True), WEIGHTS[name])
+
+
+@pytest.mark.parametrize("name", list(COMPRESSING))
+def test_float64_parameters_are_refused_by_a_compressing_algorithm(name):
+    with pytest.raises(ValueError, match=r"parameters \['head.weight', 'head.bias'\] are "
+                                         r"float64.*float32, float16 or bfloat16"):
+        _wrap(_Emb(sparse=False, dtype=torch.float64), COMPRESSING[name])
+
+
+@pytest.mark.parametrize("name", list(EXACT))
+def test_float64_parameters_pass_where_nothing_is_quantised(name):
+    with pytest.raises(RuntimeError, match="not initialised"):
+        _wrap(_Emb(sparse=False, dtype=torch.float64), EXACT[name])
+
+
+def test_frozen_sparse_embedding_is_not_refused():
+    model = _Emb(sparse=True)
+    model.tok.weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        _wrap(model, GradientAllReduce)
+
+
+class _Functional(torch.nn.Module):
+    """Sparse gradients no module declares: F.embedding(sparse=True) on a bare parameter."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = torch.nn.Parameter(torch.randn(20, 6))
+        self.head = torch.nn.Linear(6, 1)
+
+    def forward(self, i):
+        return self.head(torch.nn.functional.embedding(i, self.table, sparse=True))
+
+
+def _functional_sparse():
+    model = _Functional()
+    net = with_bagua(model, [torch.optim.SGD(model.parameters(), lr=0.1)], GradientAllReduce())
+    try:
+        net(torch.arange(8)).sum().backward()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_sparse_gradient_at_run_time_raises_on_every_rank_naming_the_parameter():
+    for message in run_ranks(_functional_sparse, 2, timeout=120):
+        assert message is not None and "'table' got a sparse gradient" in message
