@@ -131,11 +131,24 @@ class LoadBalancingDistributedBatchSampler(Sampler[list[int]]):
         return out
 
     def _call_batch_fn(self, indices: list[int], rank: int) -> list[list[int]]:
-        batches = [list(b) for b in self.batch_fn(indices)]
+        out = self.batch_fn(indices)
+        try:
+            batches = [list(b) for b in out]
+        except TypeError:
+            raise ValueError(f"batch_fn must return a list of batches (lists of dataset "
+                             f"indices); for rank {rank}'s order it returned "
+                             f"{type(out).__name__} {out!r:.60}") from None
+        given = set(indices)
         for j, batch in enumerate(batches):
             if not batch:
                 raise ValueError(f"batch_fn returned an empty batch (batch {j} of rank {rank}'s "
                                  f"order); every batch must hold at least one index")
+            stray = [i for i in batch if i not in given]
+            if stray:
+                # another rank's (or no) sample: ranks would train on overlapping data
+                raise ValueError(f"batch_fn returned index {stray[0]!r} in batch {j} of rank "
+                                 f"{rank}'s order, which is not one of the indices it was "
+                                 f"given; batches must be cut from the given order")
         return batches
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
