@@ -127,7 +127,7 @@ def test_bad_arguments():
         list(LoadBalancingDistributedBatchSampler(s, lambda ix: [ix, []]))
     # a batch_fn returning something else than batches (was: TypeError 'int' object is not
     # iterable), or indices it was not given (another rank's samples: overlapping data)
-    with pytest.raises(ValueError, match="must return a list of batches.*returned int 5"):
+    with pytest.raises(ValueError, match=r"must return a list of batches.*returned int 5"):
         list(LoadBalancingDistributedBatchSampler(s, lambda ix: 5))
     with pytest.raises(ValueError, match=r"index 10\d\d in batch 0 .* not one of the indices"):
         list(LoadBalancingDistributedBatchSampler(s, lambda ix: [[i + 1000] for i in ix]))
