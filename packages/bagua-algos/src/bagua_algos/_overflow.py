@@ -3,16 +3,15 @@
 :func:`all_finite` tells that this rank's step will be skipped; algorithms that count
 optimizer steps (DiLoCo) or owe a round per step (LowPrecisionDecentralized) count it there,
 since the skipped step's optimizer hooks never run and the peers must still find its
-collectives.  :class:`Spares` keeps state that a skipped step must leave as it was.
+collectives.  :class:`Scratch` holds the next value of state that a skipped step must leave as it was.
 
 An error-feedback algorithm (TopK's residuals and DGC velocities, LowRank's residuals)
 updates per-rank state from each step's gradient.  When any rank's gradient overflows, the
 exchanged result is non-finite on every rank and GradScaler skips the optimizer step
 everywhere; DDP then keeps nothing of that step, and neither must the algorithm, or the
 overflow stays in its state and every later step is skipped too.  So the new state is
-written into a spare tensor and kept only once the step's result is known to be finite:
-swapping tensors instead of copying them costs nothing on the finite path, and the spare
-pool holds one tensor per shape in use.
+computed in a :class:`Scratch` buffer and copied into the state only once the step's result
+is known to be finite (the same on every rank).
 """
 
 from __future__ import annotations
@@ -32,33 +31,24 @@ def all_finite(tensors) -> bool:
     return bool(torch.stack([n.float().to(dev) for n in norms]).isfinite().all())
 
 
-class Spares:
-    """A pool of tensors to write the next value of some state into."""
+class Scratch:
+    """Reusable working buffers, one per name, grown on demand: the next value of some state
+    is computed in one of them and copied into the state only once the step is known not to
+    be skipped.  One buffer per name whatever the number of buckets (their exchanges run one
+    after the other), so the cost is one copy per step, not a second copy of the state."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._bufs: dict[tuple, torch.Tensor] = {}
 
-    @staticmethod
-    def _key(t: torch.Tensor) -> tuple:
-        return tuple(t.shape), t.dtype, t.device
-
-    def take(self, like: torch.Tensor) -> torch.Tensor:
-        """A tensor of ``like``'s shape, dtype and device (contents undefined)."""
-        free = self._free.get(self._key(like))
-        return free.pop() if free else torch.empty_like(like)
-
-    def give(self, t: torch.Tensor) -> None:
-        self._free.setdefault(self._key(t), []).append(t)
-
-    def settle(self, store, key, new: torch.Tensor, keep: bool) -> None:
-        """``store[key] = new`` if ``keep`` (the old value becomes a spare), else drop
-        ``new``: the same decision on every rank when ``keep`` is read from the step's
-        exchanged result."""
-        if keep:
-            self.give(store[key])
-            store[key] = new
-        else:
-            self.give(new)
+    def get(self, name: str, numel: int, device, dtype=torch.float32) -> torch.Tensor:
+        """``numel`` elements (contents undefined) of the buffer ``name``: valid until the
+        next ``get`` of that name."""
+        key = (name, dtype, torch.device(device))
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._bufs[key] = buf
+        return buf[:numel]
 
     def clear(self) -> None:
-        self._free.clear()
+        self._bufs.clear()

@@ -13,7 +13,7 @@ import bagua_comm as bc
 from .._checks import check_bool, check_int_at_least
 from .._comm import Reducer
 from .._compression import check_chunks, check_compressor, check_no_error_feedback
-from .._overflow import Spares
+from .._overflow import Scratch
 from ..algorithm import Algorithm, AlgorithmImpl
 
 
@@ -129,11 +129,11 @@ class LowRankImpl(AlgorithmImpl):
         self.residuals: dict[str, torch.Tensor] = {}   # this rank's
         self.rounds = 0                                # synchronised steps so far
         self.device = torch.device("cpu")
-        self.spares = Spares()          # the next residuals (a skipped step drops them)
+        self.scratch = Scratch()        # the next residuals (a skipped step drops them)
 
     def init_operations(self, ctx, buckets):
         self.plans = [self.plan(b) for b in buckets]
-        self.spares.clear()
+        self.scratch.clear()
         self.device = buckets[0].device if buckets else torch.device("cpu")
 
     def plan(self, bucket):
@@ -194,14 +194,17 @@ class LowRankImpl(AlgorithmImpl):
             first[pos:pos + k].copy_(tensor[off:off + k])
             pos += k
         ms, ps, qs = [], [], []
+        scratch = self.scratch.get("m", sum(s.n * s.m for s in matrices), dev)
+        at = 0
         for s in matrices:
             res = self.residuals.get(s.name)
             if res is None or res.shape != (s.n, s.m):
                 res = torch.zeros(s.n, s.m, dtype=torch.float32, device=dev)
                 self.residuals[s.name] = res
-            # M, in a spare: the next residual, kept unless GradScaler skips the step
+            # M, in scratch: the next residual, kept unless GradScaler skips the step
             m = torch.add(res, tensor[s.offset:s.offset + s.n * s.m].view(s.n, s.m),
-                          out=self.spares.take(res))
+                          out=scratch[at:at + s.n * s.m].view(s.n, s.m))
+            at += s.n * s.m
             p = first[pos:pos + s.n * s.r].view(s.n, s.r)
             q = self._factor(s, dev)
             if quantised:       # P's columns on one scale (the basis does not change M̂)
@@ -240,8 +243,8 @@ class LowRankImpl(AlgorithmImpl):
         for s, m, p, q in zip(matrices, ms, ps, qs):
             approx = p @ q.t()
             m.sub_(approx)                       # residual: what this rank's M̂ missed
-            self.spares.settle(self.residuals, s.name, m, finite)
             if finite:
+                self.residuals[s.name].copy_(m)
                 self.q[s.name] = q.clone()
             tensor[s.offset:s.offset + s.n * s.m].view(s.n, s.m).copy_(approx)
 

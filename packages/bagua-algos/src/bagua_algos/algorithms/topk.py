@@ -12,7 +12,7 @@ import bagua_comm as bc
 from .._checks import check_bool, check_int_at_least
 from .._comm import Reducer
 from .._compression import check_compressor, check_no_error_feedback
-from .._overflow import Spares
+from .._overflow import Scratch
 from .._state import export_flat, import_flat
 from ..algorithm import Algorithm, AlgorithmImpl
 
@@ -140,11 +140,11 @@ class TopKImpl(AlgorithmImpl):
         self.residuals: list[torch.Tensor] = []
         self.velocities: list[torch.Tensor] = []      # momentum correction's u (momentum > 0)
         self.slots: list[list[tuple[int, int, int]]] = []
-        self.spares = Spares()      # the next residuals / velocities (a skipped step drops them)
+        self.scratch = Scratch()    # the next residual / velocity (a skipped step drops them)
 
     def init_operations(self, ctx, buckets):
         self.buckets = buckets
-        self.spares.clear()
+        self.scratch.clear()
         self.slots = [plan(b, self.density) for b in buckets]
         self.residuals = [torch.zeros(b.padded_numel, dtype=torch.float32, device=b.device)
                           for b in buckets]
@@ -152,9 +152,9 @@ class TopKImpl(AlgorithmImpl):
                            for b in buckets] if self.momentum else []
 
     def _velocity(self, t: torch.Tensor, i: int) -> torch.Tensor:
-        """Bucket ``i``'s next velocity ``m u + t``, in a spare: :meth:`Spares.settle` keeps
-        it once the step is known not to be skipped."""
-        u = self.spares.take(self.velocities[i])
+        """Bucket ``i``'s next velocity ``m u + t``, in scratch: copied into the velocity once
+        the step is known not to be skipped."""
+        u = self.scratch.get("velocity", t.numel(), t.device)
         torch.mul(self.velocities[i], self.momentum, out=u)
         return u.add_(t)
 
@@ -167,7 +167,8 @@ class TopKImpl(AlgorithmImpl):
         t.copy_(u)
         if g is not None:
             bc.allreduce_inplace(t if whole is None else whole, self.op, group=g)
-        self.spares.settle(self.velocities, i, u, bool(torch.isfinite(t).all()))
+        if bool(torch.isfinite(t).all()):
+            self.velocities[i].copy_(u)
 
     def carries_unused_flags(self, ctx):
         # flat: the warm-up allreduce holds them, the sparse exchange sends them beside its
@@ -238,9 +239,9 @@ class TopKImpl(AlgorithmImpl):
         k = sum(s[2] for s in slots)
         f = 0 if flags is None else flags.numel()
         # the corrected gradient (momentum correction: the velocity), which becomes the
-        # residual: written into spares, kept at the end unless the step is skipped
+        # residual: computed in scratch, kept at the end unless the step is skipped
         velocity = self._velocity(tensor, i) if self.momentum else None
-        residual = self.spares.take(self.residuals[i])
+        residual = self.scratch.get("residual", self.residuals[i].numel(), dev)
         torch.add(self.residuals[i], tensor if velocity is None else velocity, out=residual)
         index_dtype = torch.int32 if numel < 2 ** 31 else torch.int64
         sent_idx = torch.empty(k + f, dtype=index_dtype, device=dev)
@@ -284,10 +285,10 @@ class TopKImpl(AlgorithmImpl):
         # GradScaler skips this step everywhere, and the residual and velocity stay as they
         # were, as DDP keeps nothing of a skipped step (kept, the overflow would be sent, and
         # skip the step, forever after).
-        finite = bool(torch.isfinite(dense).all())
-        self.spares.settle(self.residuals, i, residual, finite)
-        if velocity is not None:
-            self.spares.settle(self.velocities, i, velocity, finite)
+        if bool(torch.isfinite(dense).all()):
+            self.residuals[i].copy_(residual)
+            if velocity is not None:
+                self.velocities[i].copy_(velocity)
         tensor[:numel].copy_(dense)
         tensor[numel:].zero_()
 
