@@ -3,7 +3,8 @@
 :func:`all_finite` tells that this rank's step will be skipped; algorithms that count
 optimizer steps (DiLoCo) or owe a round per step (LowPrecisionDecentralized) count it there,
 since the skipped step's optimizer hooks never run and the peers must still find its
-collectives.  :class:`Scratch` holds the next value of state that a skipped step must leave as it was.
+collectives.  :class:`Scratch` holds the next value of state that a skipped step must leave
+as it was.
 
 An error-feedback algorithm (TopK's residuals and DGC velocities, LowRank's residuals)
 updates per-rank state from each step's gradient.  When any rank's gradient overflows, the
