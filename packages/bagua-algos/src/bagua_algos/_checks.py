@@ -26,14 +26,14 @@ def check_bucket_size(bucket_size, name: str = "bucket_size") -> int:
     return bucket_size
 
 
-COMPRESSIBLE = ("float32", "float16", "bfloat16")
-
 
 def check_model(model, algorithm) -> None:
     """What :func:`with_bagua` can tell from the model alone, on every rank before any
     communication: sparse gradients under an algorithm of dense gradient buckets, and
     parameters a compressing algorithm cannot quantise.  ``ValueError`` names them."""
     import torch
+
+    from bagua_comm._compressed import _FLOATS  # the dtypes compressed_allreduce takes
 
     owner = type(algorithm).__name__
     if algorithm.dense_gradients:
@@ -47,14 +47,12 @@ def check_model(model, algorithm) -> None:
                 f"dense buckets. Build them with sparse=False, or use an algorithm that "
                 f"averages weights (Decentralized, LowPrecisionDecentralized, DiLoCo)")
     if algorithm.compresses():
-        bad = {}
-        for name, p in model.named_parameters():
-            if p.requires_grad and str(p.dtype).removeprefix("torch.") not in COMPRESSIBLE:
-                bad.setdefault(str(p.dtype).removeprefix("torch."), []).append(name)
+        bad = [(name, p.dtype) for name, p in model.named_parameters()
+               if p.requires_grad and p.dtype not in _FLOATS]
         if bad:
-            dtype, names = next(iter(bad.items()))
+            names = [name for name, _ in bad]
+            dtypes = sorted({str(d).removeprefix("torch.") for _, d in bad})
             raise ValueError(
                 f"model: parameters {names[:4]}{' ...' if len(names) > 4 else ''} are "
-                f"{dtype}; {owner} quantises float32, float16 or bfloat16 tensors only. "
-                f"Cast the model (model.float()) or use GradientAllReduce")
-
+                f"{', '.join(dtypes)}; {owner} quantises float32, float16 or bfloat16 tensors "
+                f"only. Cast the model (model.float()) or use GradientAllReduce")
