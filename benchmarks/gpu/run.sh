@@ -5,6 +5,11 @@
 #   bash benchmarks/gpu/run.sh                 # everything: setup tests minmax optim nccl algos net
 #   bash benchmarks/gpu/run.sh setup tests     # only these steps, in this order
 #   QUICK=1 bash benchmarks/gpu/run.sh bench   # the benchmarks' --quick modes
+#   DEADLINE=$(( $(date +%s) + 540 )) bash benchmarks/gpu/run.sh ...   # fit a device lease:
+#       each step's limit is cut to what is left before DEADLINE (epoch seconds), and a step
+#       with under 20 s left is skipped (recorded in summary.txt)
+#   TEST_TIMEOUT=120 ...                       # pytest's per-test limit in the tests step
+#   E2E_ARGS="--latencies 50 --algorithms ddp,diloco" ...   # replaces the e2e step's own flags
 #
 # Steps: setup (build the Cython extensions and libnccl-net-bagua.so in place, print the
 # machine), tests (every package's gpu-marked tests with BAGUA_TEST_GPU=1, so a skip is a
@@ -27,6 +32,11 @@ summary() { echo "$(date -u +%H:%M:%S) $*" | tee -a "$LOGS/summary.txt"; }
 run_step() {  # run_step NAME TIMEOUT_S CMD...: log to $LOGS/NAME.log, record status and time
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
+  if [ -n "${DEADLINE:-}" ]; then
+    local left=$(( DEADLINE - $(date +%s) - 5 ))
+    if [ "$left" -lt 20 ]; then summary "$name skipped: ${left}s left before DEADLINE"; return 124; fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   echo "=== $name: $*" | tee "$LOGS/$name.log"
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOGS/$name.log"
   local rc=${PIPESTATUS[0]}
@@ -57,7 +67,7 @@ step_tests() {
   for pkg in bagua-comm bagua-algos bagua-optim bagua-net; do
     # one pytest per package: each has its own conftest and helpers (_common, _helpers)
     (cd "packages/$pkg" && BAGUA_TEST_GPU=1 $PY -m pytest -m gpu -p no:cacheprovider -rA \
-        --timeout=600 -q tests)
+        --timeout="${TEST_TIMEOUT:-600}" -q tests)
     r=$?
     [ "$r" -eq 5 ] && r=0          # no gpu test collected in that package
     [ "$r" -ne 0 ] && rc=$r
@@ -84,8 +94,8 @@ for s in $steps; do
     algos)  run_step algos 600 $PY benchmarks/gpu/with_bagua.py $QUICK_FLAG ;;
     net)    run_step net 300 $PY benchmarks/gpu/net_plugin.py ;;
     bench)  "$0" minmax optim nccl algos net ;;
-    e2e)    run_step e2e 1800 $PY benchmarks/e2e.py --hosts 8 $QUICK_FLAG \
-              --json "$LOGS/e2e.json" --plot "$LOGS/e2e.png" --workdir "$LOGS/e2e-work" ;;
+    e2e)    run_step e2e 1800 $PY benchmarks/e2e.py --hosts 8 ${E2E_ARGS:-$QUICK_FLAG} \
+              --json "$LOGS/e2e.json" --plot "$LOGS/e2e.png" --workdir "/tmp/e2e-work" ;;
     *) echo "unknown step $s (setup tests minmax optim nccl algos net bench e2e)"; exit 2 ;;
   esac
   r=$?; [ "$r" -ne 0 ] && status=$r

@@ -30,10 +30,13 @@ from bagua_algos import (
     Decentralized,
     GradientAllReduce,
     LowPrecisionDecentralized,
+    LowRank,
     QAdam,
     QAdamOptimizer,
+    TopK,
     with_bagua,
 )
+from bagua_comm.compression import MinMaxUInt4, MinMaxUInt8
 from bagua_comm.testing import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -49,6 +52,16 @@ CASES = {
     "lpdecentralized-weight-copies-only": lambda opt: LowPrecisionDecentralized(
         hierarchical=False),
     "qadam-compressed-momentum": lambda opt: QAdam(opt, hierarchical=False),
+    # the 4-bit compressor's CUDA path (torch operations) inside compressed_allreduce
+    "bytegrad-4bit-compressor": lambda opt: ByteGrad(hierarchical=False,
+                                                     compressor=MinMaxUInt4(1)),
+    # top-k selection, allgathers of indices (with the unused flags) and values, error
+    # feedback through the overflow scratch buffer; then 8-bit values and DGC momentum
+    "topk-allgathers-and-residuals": lambda opt: TopK(density=0.1),
+    "topk-8bit-values-dgc": lambda opt: TopK(density=0.1, compressor=MinMaxUInt8(1),
+                                             momentum=0.9),
+    # the P then Q allreduces chained per matrix, orthogonalisation, warm-started Q
+    "low-rank-chained-factors": lambda opt: LowRank(rank=2, min_compression_rate=0),
     # the averaging thread's device, stream and events against the training stream
     "async-averaging-thread": lambda opt: AsyncModelAverage(sync_interval_ms=5),
 }
@@ -65,6 +78,8 @@ def _run(case, side_stream):
     model = make_model(0).to(dev)
     if case.startswith("qadam"):
         opt = QAdamOptimizer(model.parameters(), lr=1e-2, warmup_steps=4)
+    elif case.endswith("dgc"):      # DGC applies the momentum itself
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     wrapped = with_bagua(model, [opt], CASES[case](opt), bucket_size=256)

@@ -144,3 +144,25 @@ def test_error_feedback_on_the_cuda_path_does_not_sync(cupy_glue_on_cpu, monkeyp
     assert torch.equal(res[1], torch.zeros_like(res[1]))          # reset: chunk 1 was NaN
     assert torch.equal(res[2], torch.zeros_like(res[2]))          # chunk 2 held an inf
     assert res[0].abs().sum() > 0 and res[3].abs().sum() > 0       # the others keep theirs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_4bit_cuda_path_gives_the_cpu_bytes_without_syncing(monkeypatch, dtype):
+    """MinMaxUInt4's CUDA path is plain torch operations: run here on CPU tensors (with error
+    feedback, non-finite chunks included) it must neither synchronise nor differ from the
+    Cython kernels' bytes."""
+    from bagua_comm import _minmax4
+    from bagua_comm.compression import MinMaxUInt4
+
+    x = _input(dtype)
+    ref = MinMaxUInt4(4, error_feedback=True)
+    want = [ref.compress(x, key="k"), ref.compress(x, key="k")]      # the Cython kernels
+    monkeypatch.setattr(_minmax4, "_encode", _minmax4._encode_torch)
+    monkeypatch.setattr(_minmax4, "_decode", _minmax4._decode_torch)
+    c = MinMaxUInt4(4, error_feedback=True)
+    with no_host_sync():
+        got = [c.compress(x, key="k"), c.compress(x, key="k")]
+        back = c.decompress(got[1], torch.empty(x.numel(), dtype=dtype))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(back.isnan(), ref.decompress(want[1], torch.empty_like(back)).isnan())
+    assert torch.equal(c.residual("k"), ref.residual("k"))

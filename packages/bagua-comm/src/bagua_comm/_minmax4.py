@@ -183,11 +183,11 @@ def _encode_torch(flat: torch.Tensor, chunks: int, payload: torch.Tensor) -> tor
     maxs = rows.amax(1) + 0.0
     scale, upper, lower = _params(mins, maxs)
     q = torch.minimum(torch.round(rows * scale[:, None]), upper[:, None]) - lower[:, None]
-    q = q.clamp_(0, LEVELS).nan_to_num_(0.0).to(torch.uint8)
-    q[~finite] = 0
-    nan = torch.tensor(float("nan"), device=flat.device)
-    mins = torch.where(finite, mins, nan)
-    maxs = torch.where(finite, maxs, nan)
+    # masked fills of scalars: a boolean index or a tensor made from a host value would make
+    # the host wait for the GPU
+    q = q.clamp_(0, LEVELS).nan_to_num_(0.0).masked_fill_(~finite[:, None], 0).to(torch.uint8)
+    mins = mins.masked_fill(~finite, float("nan"))
+    maxs = maxs.masked_fill(~finite, float("nan"))
     out = payload.view(chunks, rec)
     isz = flat.element_size()
     out[:, :2 * isz] = header_bytes(mins, maxs, flat.dtype)
