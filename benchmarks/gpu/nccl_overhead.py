@@ -9,6 +9,7 @@ loop pays per call) and prints both, their difference in microseconds and the ra
 work is the same.  Target (issue 12): at most 5 us over torch per call.
 
     python benchmarks/gpu/nccl_overhead.py [--quick]
+    python benchmarks/gpu/nccl_overhead.py --profile   # where our per-call time goes (cProfile)
 Without CUDA it prints why it is skipped and exits 0.
 """
 
@@ -42,6 +43,9 @@ def calls(name, n, dev):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile 2000 of our 4-byte allreduces: the host functions that take "
+                         "the per-call time, instead of the table")
     args = ap.parse_args()
     dev = device(allow_cpu=False)
     if dev is None:
@@ -52,6 +56,17 @@ def main() -> None:
 
     print(f"bagua_comm libnccl {_nccl_loader.nccl_version()} at "
           f"{_nccl_loader.nccl_library_path()}; torch NCCL {torch.cuda.nccl.version()}")
+    if args.profile:
+        import cProfile
+        import pstats
+
+        ours, _theirs = calls("allreduce", 1, dev)
+        host_timed(ours, dev, 200)
+        prof = cProfile.Profile()
+        prof.runcall(host_timed, ours, dev, 400)        # 5 rounds of 400 calls
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        shutdown()
+        return
     sizes = [1, 1024, 1 << 18] if args.quick else [1, 256, 4096, 1 << 16, 1 << 20, 1 << 24]
     reps = 200 if args.quick else 1000
     rows = []

@@ -73,13 +73,15 @@ def _exchanged(name, device):
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1)).to(device)
     wrapped(x).square().sum().backward()
     impl, out = wrapped.impl, []
-    for step in range(3):
+    g = torch.Generator().manual_seed(7)
+    for _step in range(3):
         for b in wrapped.buckets:
+            # the same gradients on both devices (a backward on each would round differently)
+            t = (b.grad_and_flags if name == "low_rank" else b.grad).detach().clone()
+            t[:b.grad.numel()] = torch.randn(b.grad.numel(), generator=g).to(device)
             if name == "low_rank":
-                t = b.grad_and_flags.detach().clone() * (step + 1)
                 impl.exchange(t, impl.plans[b.index], b.name)
             else:
-                t = b.grad.detach().clone() * (step + 1)
                 impl.exchange(t, b.index, impl.group)
             out.append(t.cpu())
         impl.post_backward_hook(wrapped)

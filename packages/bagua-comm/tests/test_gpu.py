@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import bagua_comm as bc
+from bagua_comm import _minmax4
 from bagua_comm.compression import MinMaxUInt4, MinMaxUInt8
 from bagua_comm.testing import cuda_sync_error, run_ranks
 
@@ -87,7 +88,7 @@ def test_cupy_kernels_are_byte_identical_to_cython(dtype):
     cases = [(torch.randn(1 << 16, generator=g) * 5, 16), (torch.randn(999, generator=g), 3),
              (torch.arange(-300, 300) / 2, 4), (torch.tensor([0.0, -0.0, 2.0, 2.0]), 2),
              (torch.randn(1 << 20, generator=g) + 100, 7 * 8),
-             # float32 subnormals: CuPy compiles with -ftz=true, the CPU kernels keep them
+             # float32 subnormals: kept on both (torch's min/max; kernels built --ftz=false)
              (torch.tensor([1e-40, -3e-39, 0.0, 2e-45, 1e-38, -1e-41, 5e-39, 0.0]), 2)]
     for values in ({5: "nan"}, {0: "inf", 700: "-inf"}, {1: "nan", 2: "inf"}):  # non-finite
         x = torch.randn(1024, generator=g)
@@ -112,7 +113,8 @@ def test_cupy_kernels_are_byte_identical_to_cython(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
                          ids=lambda d: str(d)[6:])
 def test_4bit_cuda_path_is_byte_identical_to_cython(dtype):
-    """MinMaxUInt4 on CUDA (torch operations) against the Cython kernels: the same payload
+    """MinMaxUInt4 on CUDA (the CuPy kernels, and the torch operations used without CuPy)
+    against the Cython kernels: the same payload
     bytes, the same decoded values, with error feedback over two steps the same residuals."""
     g = torch.Generator().manual_seed(6)
     cases = [(torch.randn(1 << 16, generator=g) * 5, 16), (torch.randn(998, generator=g), 1),
@@ -129,7 +131,9 @@ def test_4bit_cuda_path_is_byte_identical_to_cython(dtype):
         x = x[:n].to(dtype)
         c = MinMaxUInt4(chunks)
         cpu = c.compress(x)
-        assert torch.equal(c.compress(x.cuda()).cpu(), cpu), (dtype, n, chunks)
+        assert torch.equal(c.compress(x.cuda()).cpu(), cpu), (dtype, n, chunks)   # CuPy
+        torch_ops = _minmax4._encode_torch(x.cuda(), chunks, torch.empty_like(cpu, device="cuda"))
+        assert torch.equal(torch_ops.cpu(), cpu), (dtype, n, chunks)   # without CuPy
         out_cpu = c.decompress(cpu, torch.empty(n))
         out_gpu = c.decompress(cpu.cuda(), torch.empty(n, device="cuda"))
         assert torch.allclose(out_gpu.cpu(), out_cpu, rtol=0, atol=0, equal_nan=True)

@@ -48,41 +48,41 @@ def _at(ptr, numel, dtype):
                             dtype=torch.uint8).view(dtype)
 
 
-def _scale(mn, mx):
-    return 255.0 / ((mx - mn) + 1e-7)
+def _scale(mn, mx, levels):
+    return levels / ((mx - mn) + 1e-7)
 
 
 def _kernel(name):
-    """A torch stand-in for one CUDA kernel of _minmax_cupy (same float32 formula)."""
-    kind = name.split("_")[-1]
+    """A torch stand-in for one CUDA kernel of _minmax_cupy (same float32 formula):
+    ``encode{8,4}_{f32,f16,bf16}`` and ``decode{8,4}``."""
+    bits = 8 if name[6] == "8" else 4
+    levels = 2 ** bits - 1
 
     def run(grid, block, args):
-        if name.startswith("minmax"):
-            src, m, mins, maxs = args
-            chunks = grid[0]
-            x = _at(src, chunks * int(m), _TORCH[kind]).float().view(chunks, -1)
-            bad = ~x.isfinite().all(1)
-            _at(mins, chunks, torch.float32).copy_(x.amin(1).masked_fill(bad, float("nan")) + 0.0)
-            _at(maxs, chunks, torch.float32).copy_(x.amax(1).masked_fill(bad, float("nan")) + 0.0)
-        elif name.startswith("encode"):
+        if name.startswith("encode"):
             src, m, mins, maxs, payload, rec = args
             chunks, m, rec = grid[1], int(m), int(rec)
-            x = _at(src, chunks * m, _TORCH[kind]).float().view(chunks, m)
+            x = _at(src, chunks * m, _TORCH[name.split("_")[-1]]).float().view(chunks, m)
             mn = _at(mins, chunks, torch.float32).unsqueeze(1)
             mx = _at(maxs, chunks, torch.float32).unsqueeze(1)
-            scale = _scale(mn, mx)
+            scale = _scale(mn, mx, levels)
             upper = torch.round(mx * scale)
-            q = (torch.minimum(torch.round(x * scale), upper) - (upper - 255)).clamp(0, 255)
-            q = q.masked_fill(mn.isnan(), 0).to(torch.uint8)
-            _at(payload, chunks * rec, torch.uint8).view(chunks, rec)[:, 32:32 + m] = q
+            q = (torch.minimum(torch.round(x * scale), upper) - (upper - levels))
+            q = q.clamp(0, levels).masked_fill(mn.isnan(), 0).to(torch.uint8)
+            if bits == 4:
+                q = q[:, 0::2] | (q[:, 1::2] << 4)
+            _at(payload, chunks * rec, torch.uint8).view(chunks, rec)[:, 32:32 + q.shape[1]] = q
         else:
             payload, rec, m, mins, maxs, out = args
             chunks, m, rec = grid[1], int(m), int(rec)
-            codes = _at(payload, chunks * int(rec), torch.uint8).view(chunks, rec)[:, 32:32 + m]
+            nbytes = m if bits == 8 else m // 2
+            codes = _at(payload, chunks * rec, torch.uint8).view(chunks, rec)[:, 32:32 + nbytes]
+            if bits == 4:
+                codes = torch.stack([codes & 15, codes >> 4], 2).view(chunks, m)
             mn = _at(mins, chunks, torch.float32).unsqueeze(1)
             mx = _at(maxs, chunks, torch.float32).unsqueeze(1)
-            scale = _scale(mn, mx)
-            lower = torch.round(mx * scale) - 255
+            scale = _scale(mn, mx, levels)
+            lower = torch.round(mx * scale) - levels
             _at(out, chunks * m, torch.float32).view(chunks, m).copy_((codes.float() + lower)
                                                                        / scale)
     return run
@@ -147,7 +147,25 @@ def test_error_feedback_on_the_cuda_path_does_not_sync(cupy_glue_on_cpu, monkeyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_4bit_cuda_path_gives_the_cpu_bytes_without_syncing(monkeypatch, dtype):
+def test_4bit_cuda_glue_gives_the_cpu_bytes_without_syncing(cupy_glue_on_cpu, dtype):
+    from bagua_comm import _minmax4
+
+    x = _input(dtype, chunks=3, m=50)       # 25 code bytes: a padded record
+    want = _minmax4._encode_cpu(x, 3, torch.empty(3 * _minmax4.record_bytes4(50),
+                                                  dtype=torch.uint8))
+    with no_host_sync():
+        got = cupy_glue_on_cpu.compress(x, 3, bits=4)
+        back = torch.empty(x.numel(), dtype=torch.float32)
+        cupy_glue_on_cpu.decompress(got, back, 3, dtype, bits=4)
+    assert torch.equal(got, want)
+    ref = torch.empty(x.numel(), dtype=torch.float32)
+    _minmax4._decode_cpu(want, ref, 3, dtype)
+    assert torch.equal(back.isnan(), ref.isnan())
+    assert torch.equal(back.nan_to_num(), ref.nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_4bit_torch_path_gives_the_cpu_bytes_without_syncing(monkeypatch, dtype):
     """MinMaxUInt4's CUDA path is plain torch operations: run here on CPU tensors (with error
     feedback, non-finite chunks included) it must neither synchronise nor differ from the
     Cython kernels' bytes."""

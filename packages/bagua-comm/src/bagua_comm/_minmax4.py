@@ -23,7 +23,8 @@ added to the next input compressed under that key; residuals are
 On CPU the kernels are Cython (``_minmax.minmax_encode4`` / ``decode4``, without the GIL:
 per chunk a min/max pass, then the encoding pass while the chunk is still in cache; float32
 through SSE2 loops in ``_minmax_simd.h``, decoding through a table of each byte's two values);
-on CUDA plain torch operations (no CuPy).  The bytes are
+on CUDA the CuPy kernels of ``_minmax_cupy`` shared with the 8-bit format (plain torch
+operations where CuPy is missing).  The bytes are
 defined by the formula above, so every implementation of it (the two paths, a numpy one)
 produces the same payload.
 """
@@ -160,15 +161,33 @@ def _check_numel(numel, chunks, name):
                          f"({2 * chunks}): two 4-bit codes share a byte; pad it first")
 
 
+def _cupy_kernels():
+    """The CuPy kernels (``_minmax_cupy``), or None without CuPy (then torch operations)."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return None
+    from . import _minmax_cupy
+
+    return _minmax_cupy
+
+
 def _encode(flat: torch.Tensor, chunks: int, payload: torch.Tensor) -> torch.Tensor:
     if flat.is_cuda:
+        kernels = _cupy_kernels()
+        if kernels is not None:
+            return kernels.compress(flat, chunks, payload, bits=4)
         return _encode_torch(flat, chunks, payload)
     return _encode_cpu(flat, chunks, payload)
 
 
 def _decode(payload: torch.Tensor, out: torch.Tensor, chunks: int, dtype: torch.dtype) -> None:
     if out.is_cuda:
-        _decode_torch(payload, out, chunks, dtype)
+        kernels = _cupy_kernels()
+        if kernels is not None:
+            kernels.decompress(payload, out, chunks, dtype, bits=4)
+        else:
+            _decode_torch(payload, out, chunks, dtype)
     else:
         _decode_cpu(payload, out, chunks, dtype)
 
