@@ -150,7 +150,13 @@ def _module(device: int):
     import cupy
 
     with cupy.cuda.Device(device):
-        return cupy.RawModule(code=_SOURCE, options=_OPTIONS)
+        module = cupy.RawModule(code=_SOURCE, options=_OPTIONS)
+        try:
+            module.compile()
+        except cupy.cuda.compiler.CompileException:
+            # a CuPy that sets --ftz or --prec-div itself may refuse them twice: its own then
+            module = cupy.RawModule(code=_SOURCE, options=_OPTIONS[:1])
+        return module
 
 
 def _stream():
