@@ -121,7 +121,7 @@ def fake_cuda(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "ExternalStream", torch_external)
     monkeypatch.setattr(torch.cuda, "current_stream",
-                        lambda: types.SimpleNamespace(cuda_stream=4242))
+                        lambda device=None: types.SimpleNamespace(cuda_stream=4242))
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
     monkeypatch.setattr(backend.NcclBackend, "_grouped", lambda self, comm, fn: fn())

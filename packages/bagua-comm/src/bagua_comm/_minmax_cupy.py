@@ -159,10 +159,19 @@ def _module(device: int):
         return module
 
 
-def _stream():
-    import cupy
+_STREAMS: dict = {}
 
-    return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+
+def _stream():
+    """CuPy's view of torch's current stream, made once per stream (CuPy 14 warns at every
+    ``ExternalStream`` made, and making one costs host time at every call)."""
+    ptr = torch.cuda.current_stream().cuda_stream
+    got = _STREAMS.get(ptr)
+    if got is None:
+        import cupy
+
+        got = _STREAMS[ptr] = cupy.cuda.ExternalStream(ptr)
+    return got
 
 
 def _ptr(t: torch.Tensor):
