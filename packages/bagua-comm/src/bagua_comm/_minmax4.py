@@ -31,6 +31,8 @@ produces the same payload.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -161,8 +163,10 @@ def _check_numel(numel, chunks, name):
                          f"({2 * chunks}): two 4-bit codes share a byte; pad it first")
 
 
+@functools.cache
 def _cupy_kernels():
-    """The CuPy kernels (``_minmax_cupy``), or None without CuPy (then torch operations)."""
+    """The CuPy kernels (``_minmax_cupy``), or None without CuPy (then torch operations);
+    looked up once (a failed import searches the path again at every call)."""
     try:
         import cupy  # noqa: F401
     except ImportError:
