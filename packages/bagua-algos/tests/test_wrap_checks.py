@@ -47,10 +47,12 @@ def _wrap(model, make):
     return with_bagua(model, [opt], make())
 
 
-DENSE = {"gradient_allreduce": GradientAllReduce, "bytegrad": ByteGrad, "qadam": "qadam",
+DENSE = {"bytegrad": ByteGrad, "qadam": "qadam",
          "topk": TopK, "low_rank": LowRank,
          "async with warm-up": lambda: AsyncModelAverage(warmup_steps=2)}
-WEIGHTS = {"decentralized": Decentralized, "low_precision_decentralized":
+# weights averaged, or (GradientAllReduce) sparse gradients averaged on their own
+# (tests/test_sparse_gradients.py)
+SPARSE_OK = {"gradient_allreduce": GradientAllReduce, "decentralized": Decentralized, "low_precision_decentralized":
            LowPrecisionDecentralized, "diloco": DiLoCo, "async": AsyncModelAverage}
 COMPRESSING = {"bytegrad": ByteGrad, "qadam": "qadam", "low_precision_decentralized":
                LowPrecisionDecentralized,
@@ -71,10 +73,10 @@ def test_sparse_embedding_is_refused_by_dense_gradient_buckets(name):
         _wrap(_Emb(sparse=True), DENSE[name])
 
 
-@pytest.mark.parametrize("name", list(WEIGHTS))
-def test_sparse_embedding_passes_where_weights_are_averaged(name):
+@pytest.mark.parametrize("name", list(SPARSE_OK))
+def test_sparse_embedding_passes_where_sparse_gradients_are_handled(name):
     with pytest.raises(RuntimeError, match="not initialised"):   # past the model checks
-        _wrap(_Emb(sparse=True), WEIGHTS[name])
+        _wrap(_Emb(sparse=True), SPARSE_OK[name])
 
 
 @pytest.mark.parametrize("name", list(COMPRESSING))

@@ -78,6 +78,10 @@ class Algorithm:
     #: True: gradients travel in dense buckets, so a parameter with sparse gradients
     #: (``torch.nn.Embedding(sparse=True)``) is refused at :func:`with_bagua`.
     dense_gradients: ClassVar[bool] = False
+    #: True: the gradients of ``Embedding``/``EmbeddingBag(sparse=True)`` weights stay out of
+    #: the dense buckets and are averaged by a sparse exchange of their own at the end of
+    #: backward (as DDP averages sparse gradients); the algorithm's buckets hold the rest.
+    sparse_allreduce: ClassVar[bool] = False
 
     def compresses(self) -> bool:
         """True when this algorithm quantises the tensors it sends, so that every trainable

@@ -18,6 +18,7 @@ from ._bucket import BaguaBucket
 from ._checks import check_bucket_size, check_model
 from ._compiled import eager as _eager
 from ._compiled import uncompiled as _uncompiled
+from ._sparse import allreduce_sparse, sparse_parameters
 from .algorithm import Algorithm, AlgorithmImpl, BaguaContext
 
 DEFAULT_BUCKET_SIZE = 10 * 1024 * 1024
@@ -179,7 +180,12 @@ class BaguaModule(torch.nn.Module):
                 opt.load_state_dict(state)
 
         self.impl: AlgorithmImpl = _flat_on_one_level(algorithm, group).reify(group)
-        self._tensors = list(self.impl.init_tensors(self.ctx))
+        # Embedding(sparse=True) weights under an algorithm that averages them by a sparse
+        # exchange of their own (GradientAllReduce): kept out of the dense buckets
+        self._sparse = (sparse_parameters(module)
+                        if algorithm.sparse_allreduce and self.impl.uses_grad_buckets else [])
+        self._sparse_average = getattr(self.impl, "op", bc.ReduceOp.AVG) is bc.ReduceOp.AVG
+        self._tensors = self._bucketed(self.impl.init_tensors(self.ctx))
         self._set_names()
         # parameters frozen now: watched, so that one unfrozen later joins the buckets
         seen = {id(t) for t in self._tensors}
@@ -196,6 +202,11 @@ class BaguaModule(torch.nn.Module):
         self._register_hooks()
         # autotuning (bagua_algos._autotune): collective, after the buckets exist
         self._autotuner = _autotune.Autotuner(self, autotune) if autotune else None
+
+    def _bucketed(self, tensors) -> list[torch.Tensor]:
+        """``tensors`` less the sparse-gradient weights averaged on their own."""
+        sparse = {id(p) for p in self._sparse}
+        return [t for t in tensors if id(t) not in sparse]
 
     def _set_names(self) -> None:
         names = {id(p): n for n, p in self.ctx.module.named_parameters()}
@@ -303,6 +314,8 @@ class BaguaModule(torch.nn.Module):
         self._hooks.append(self.register_forward_pre_hook(self._forward_pre_hook))
         for p in self._tensors:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        for p in self._sparse:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._sparse_ready))
         for opt in self.optimizers:
             self._hooks.append(opt.register_step_post_hook(self._optimizer_stepped))
         if self.optimizers:
@@ -338,7 +351,13 @@ class BaguaModule(torch.nn.Module):
             logger.warning("bagua_algos: parameters frozen at with_bagua now require a gradient "
                            f"and join the buckets: {[names.get(id(p), '?') for p in newly]}")
         known = {id(t) for t in self._tensors}
-        self._tensors = list(self.impl.init_tensors(self.ctx))
+        if self.algorithm.sparse_allreduce and self.impl.uses_grad_buckets:
+            had = {id(p) for p in self._sparse}
+            for p in sparse_parameters(self.module):
+                if id(p) not in had:      # an Embedding(sparse=True) unfrozen: on its own
+                    self._sparse.append(p)
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._sparse_ready))
+        self._tensors = self._bucketed(self.impl.init_tensors(self.ctx))
         self._set_names()
         for p in self._tensors:
             if id(p) not in known:
@@ -367,9 +386,14 @@ class BaguaModule(torch.nn.Module):
     def _grad_ready(self, param) -> None:
         if param.grad is not None and param.grad.is_sparse and self.impl.uses_grad_buckets:
             names = {id(p): n for n, p in self.ctx.module.named_parameters()}
+            how = ("make it dense (e.g. Embedding(sparse=False)), or compute it through an "
+                   "nn.Embedding/EmbeddingBag(sparse=True) module, whose gradients "
+                   f"{type(self.algorithm).__name__} averages sparsely"
+                   if self.algorithm.sparse_allreduce else
+                   "make it dense (e.g. Embedding(sparse=False))")
             raise ValueError(f"parameter {names.get(id(param), '?')!r} got a sparse gradient; "
                              f"{type(self.algorithm).__name__} reduces gradients in dense "
-                             f"buckets: make it dense (e.g. Embedding(sparse=False))")
+                             f"buckets: {how}")
         if not self._sync:
             self._used_nosync.add(id(param))
             return
@@ -386,6 +410,23 @@ class BaguaModule(torch.nn.Module):
         self._pending[i] -= 1
         if self._pending[i] == 0:
             self._launch(force=False)
+
+    def _sparse_ready(self, _param) -> None:
+        """A sparse-gradient weight's gradient arrived: it is averaged at the end of backward
+        (under ``no_sync()`` it accumulates, as DDP's does)."""
+        if self._sync and not self._cb_queued:
+            self._cb_queued = True
+            Variable._execution_engine.queue_callback(self._backward_end)
+
+    def _reduce_sparse(self) -> None:
+        """Average the sparse gradients, one weight after another in registration order (the
+        same on every rank), after every bucket's communication (a hierarchical algorithm's
+        thread is done with the group by then).  A weight no rank gave a gradient keeps
+        ``.grad`` None."""
+        if self.group.size == 1:
+            return
+        for p in self._sparse:
+            p.grad = allreduce_sparse(p.grad, p, self.group, self._sparse_average)
 
     def _launch(self, force: bool) -> None:
         """Start buckets in index order (the same on every rank), as far as they are ready."""
@@ -486,6 +527,8 @@ class BaguaModule(torch.nn.Module):
             if none_before:
                 self._drop_unused(check[0] if check is not None else self.buckets[-1].flags,
                                   none_before)
+            if self._sparse:
+                self._reduce_sparse()
         finally:
             self._carried = False
             self._handles.clear()

@@ -18,9 +18,13 @@ class GradientAllReduce(Algorithm, name="gradient_allreduce"):
 
     ``hierarchical=True`` reduces inside each node first, allreduces among node leaders and
     broadcasts back inside the node: inter-node traffic shrinks by the ranks per node.
+
+    Sparse gradients (``torch.nn.Embedding(sparse=True)``, ``EmbeddingBag(sparse=True)``) are
+    averaged as DDP averages them, by a sparse exchange of their own at the end of backward
+    (row counts, then indices and values, by allgather), never densified.
     """
 
-    dense_gradients = True
+    sparse_allreduce = True
 
     def __init__(self, hierarchical: bool = False, average: bool = True):
         _check_bool("hierarchical", hierarchical)
