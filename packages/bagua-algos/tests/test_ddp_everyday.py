@@ -17,12 +17,14 @@ from bagua_comm.testing import run_ranks
 
 STEPS = 5
 SCENARIOS = ("sgd", "adamw", "no_sync", "clip", "two_optimizers", "grad_scaler",
-             "eval_between", "zero_grad_keep", "small_buckets", "lr_scheduler", "batchnorm")
+             "eval_between", "zero_grad_keep", "small_buckets", "lr_scheduler", "batchnorm",
+             "two_forwards")
 
 
 def _model(scenario):
     model = make_model(seed=3)
-    if scenario == "batchnorm":     # running statistics: DDP broadcasts rank 0's each forward
+    if scenario in ("batchnorm", "two_forwards"):
+        # running statistics: DDP broadcasts rank 0's each forward
         torch.manual_seed(4)
         model.insert(1, torch.nn.BatchNorm1d(model[0].out_features))
     return model
@@ -66,6 +68,9 @@ def _run(wrapper, scenario, algorithm="gradient_allreduce"):
                 torch.nn.functional.mse_loss(net(x), y).backward()
         x, y = batch(step, rank)
         loss = torch.nn.functional.mse_loss(net(x), y)
+        if scenario == "two_forwards":      # a second forward before the one backward: its
+            # buffer broadcast must not bump the version of what the first saved for backward
+            loss = loss + net(batch(700 + step, rank)[0]).square().mean()
         if scaler is not None:
             if step == 2 and rank == 1:
                 loss = loss * float("inf")          # an overflow on one rank: both skip

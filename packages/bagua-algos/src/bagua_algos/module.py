@@ -110,6 +110,10 @@ class _Done:
 
 
 def _broadcast_tensors(tensors: Iterable[torch.Tensor], group: bc.ProcessGroup) -> None:
+    """Rank 0's values into ``tensors`` on every rank.  Rank 0 writes nothing, and the others
+    write through ``.data``, which autograd's version counter does not see (as DDP's buffer
+    broadcast): a second forward before one backward must not invalidate what the first saved
+    for it (BatchNorm's running statistics; the values are rank 0's on every rank anyway)."""
     if group.size == 1:
         return
     by_key: dict = {}
@@ -119,9 +123,11 @@ def _broadcast_tensors(tensors: Iterable[torch.Tensor], group: bc.ProcessGroup) 
         for ts in by_key.values():
             flat = torch.cat([t.detach().reshape(-1) for t in ts])
             bc.broadcast(flat, 0, group=group)
+            if group.rank == 0:
+                continue
             off = 0
             for t in ts:
-                t.copy_(flat[off:off + t.numel()].view_as(t))
+                t.data.copy_(flat[off:off + t.numel()].view_as(t))
                 off += t.numel()
 
 
