@@ -318,3 +318,23 @@ class Reducer:
 
     def close(self) -> None:
         self.runner.close()
+
+
+def broadcast_tensors(tensors, group: bc.ProcessGroup, src: int = 0) -> None:
+    """``src``'s values into ``tensors`` on every rank (collective; one broadcast per dtype and
+    device).  ``src`` writes nothing and the others write through ``.data``, which autograd's
+    version counter does not see, as DDP's broadcasts: a second forward before one backward
+    must not invalidate what the first saved for it (BatchNorm's running statistics)."""
+    by_key: dict = {}
+    for t in tensors:
+        by_key.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for ts in by_key.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            bc.broadcast(flat, src, group=group)
+            if group.rank == src:
+                continue
+            off = 0
+            for t in ts:
+                t.data.copy_(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()

@@ -82,6 +82,9 @@ class Algorithm:
     #: the dense buckets and are averaged by a sparse exchange of their own at the end of
     #: backward (as DDP averages sparse gradients); the algorithm's buckets hold the rest.
     sparse_allreduce: ClassVar[bool] = False
+    #: True: :meth:`BaguaModule.join` can shadow a step's collectives on a rank without data
+    #: (zero gradients through ``bucket_ready_hook``): no per-rank state the zeros would skew.
+    joinable: ClassVar[bool] = False
 
     def compresses(self) -> bool:
         """True when this algorithm quantises the tensors it sends, so that every trainable

@@ -16,8 +16,10 @@ import bagua_comm as bc
 from . import _autotune, _consistency
 from ._bucket import BaguaBucket
 from ._checks import check_bucket_size, check_model
+from ._comm import broadcast_tensors
 from ._compiled import eager as _eager
 from ._compiled import uncompiled as _uncompiled
+from ._join import active_ranks, check_joinable, early_termination, final_sync, shadow_step
 from ._sparse import allreduce_sparse, sparse_parameters
 from .algorithm import Algorithm, AlgorithmImpl, BaguaContext
 
@@ -110,25 +112,8 @@ class _Done:
 
 
 def _broadcast_tensors(tensors: Iterable[torch.Tensor], group: bc.ProcessGroup) -> None:
-    """Rank 0's values into ``tensors`` on every rank.  Rank 0 writes nothing, and the others
-    write through ``.data``, which autograd's version counter does not see (as DDP's buffer
-    broadcast): a second forward before one backward must not invalidate what the first saved
-    for it (BatchNorm's running statistics; the values are rank 0's on every rank anyway)."""
-    if group.size == 1:
-        return
-    by_key: dict = {}
-    for t in tensors:
-        by_key.setdefault((t.dtype, t.device), []).append(t)
-    with torch.no_grad():
-        for ts in by_key.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            bc.broadcast(flat, 0, group=group)
-            if group.rank == 0:
-                continue
-            off = 0
-            for t in ts:
-                t.data.copy_(flat[off:off + t.numel()].view_as(t))
-                off += t.numel()
+    if group.size > 1:
+        broadcast_tensors(tensors, group)
 
 
 def _flat_on_one_level(algorithm: Algorithm, group: bc.ProcessGroup) -> Algorithm:
@@ -203,6 +188,7 @@ class BaguaModule(torch.nn.Module):
                               else [])
         self._used_nosync: set[int] = set()    # gradients accumulated under no_sync()
         self._carried = False      # this step's flags ride in the last bucket's allreduce
+        self._join: dict | None = None      # inside join(): {"throw": bool}
         self._set_buckets(self._make_buckets(self._tensors, bucket_size))
         self.impl.init_operations(self.ctx, self.buckets)
         self._register_hooks()
@@ -334,10 +320,16 @@ class BaguaModule(torch.nn.Module):
 
     def _forward_pre(self, _module, _inputs) -> None:
         if self.training and torch.is_grad_enabled() and self._sync:
+            src = 0                 # buffers: rank 0's; while joining, the highest active
+            if self._join is not None:
+                ranks = active_ranks(self.group, True)
+                if len(ranks) < self.group.size and self._join["throw"]:
+                    raise early_termination(self.group)
+                src = ranks[-1]
             if self._frozen and any(p.requires_grad for p in self._frozen):
                 self._adopt_unfrozen()
             if self._sync_buffers:
-                _broadcast_tensors(self._sync_buffers, self.group)
+                broadcast_tensors(self._sync_buffers, self.group, src)
             if self._order_pending:
                 self._fix_order()
             self.ctx.step += 1
@@ -642,6 +634,31 @@ class BaguaModule(torch.nn.Module):
             yield
         finally:
             self._sync = old
+
+    @contextlib.contextmanager
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """Train on uneven inputs, as DDP's ``join()``: wrap the training loop in it, and a
+        rank whose data ends first shadows the others' remaining steps (zero gradients) until
+        every rank's loop has ended; then every rank takes the model of the highest rank among
+        the last to finish.  GradientAllReduce only; one training forward per step inside.
+        ``throw_on_early_termination=True`` raises on every rank as soon as one runs out."""
+        check_joinable(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+        if not enable or self.group.size == 1:
+            yield
+            return
+        self._join = {"throw": throw_on_early_termination}
+        try:
+            yield
+        finally:
+            self._join = None
+        last = True                           # reached only when the loop ended normally
+        while ranks := active_ranks(self.group, False):
+            if throw_on_early_termination:
+                raise early_termination(self.group)
+            shadow_step(self, ranks[-1])
+            last = False
+        final_sync(self, last)
 
     def autotune_report(self) -> dict | None:
         """``None`` unless autotuning; else ``{"done", "steps", "best", "trials", ...}``:

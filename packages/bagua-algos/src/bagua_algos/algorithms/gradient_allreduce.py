@@ -25,6 +25,7 @@ class GradientAllReduce(Algorithm, name="gradient_allreduce"):
     """
 
     sparse_allreduce = True
+    joinable = True
 
     def __init__(self, hierarchical: bool = False, average: bool = True):
         _check_bool("hierarchical", hierarchical)

@@ -1,0 +1,93 @@
+"""Uneven inputs: :meth:`BaguaModule.join`, DDP's ``join()`` for GradientAllReduce.
+
+Inside the context every training forward of a rank that still has data starts with a tiny
+allgather of "I have data" flags.  A rank whose loop has ended leaves the context and *shadows*
+the others' steps: it adds 0 to that count, then issues every collective of one step in the
+same order (the buffer broadcast, the one-time bucket reordering, each bucket's allreduce with
+a zero gradient and no "got a gradient" flag, the sparse exchanges), so nobody waits for a
+rank that has stopped.  Gradients are averaged over the initial world size, as DDP's default
+``divide_by_initial_world_size=True``.  When the count reaches 0 every rank takes the model of
+the highest rank among those that ran out last (their optimizers stepped the most), as DDP.
+While joining, the buffers come from the highest rank with data instead of rank 0 (DDP's
+authoritative rank under ``join()``, all ranks active or not).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import bagua_comm as bc
+
+from ._checks import check_bool
+from ._comm import broadcast_tensors
+from ._sparse import allreduce_sparse
+
+
+def check_joinable(module, divide_by_initial_world_size, enable, throw) -> None:
+    """``ValueError`` naming the rule, on the calling rank before any communication."""
+    check_bool("divide_by_initial_world_size", divide_by_initial_world_size)
+    check_bool("enable", enable)
+    check_bool("throw_on_early_termination", throw)
+    algo = module.algorithm
+    if not getattr(algo, "joinable", False):
+        raise ValueError(f"join() shadows GradientAllReduce's collectives; "
+                         f"{type(algo).__name__} keeps per-rank state (residuals, momenta, "
+                         f"peer exchanges) that a rank without data cannot shadow. Give every "
+                         f"rank the same number of batches (DistributedSampler(drop_last=True))")
+    if module._autotuner is not None:
+        raise ValueError("join() with autotune: the tuner's collectives follow the active "
+                         "ranks' steps; autotune first, then train with join() without it")
+    if not divide_by_initial_world_size:
+        raise ValueError("divide_by_initial_world_size=False is not supported: the gradients "
+                         "are averaged over the initial world size (DDP's default)")
+
+
+def active_ranks(group: bc.ProcessGroup, active: bool) -> list[int]:
+    """Collective: the ranks that still have data (this one among them if ``active``), by
+    one allgather of a flag: their number, and the highest of them, whose buffers every rank
+    takes while joining (DDP's authoritative rank under ``join()``)."""
+    flags = torch.empty(group.size, dtype=torch.uint8)
+    bc.allgather(torch.tensor([1 if active else 0], dtype=torch.uint8), flags, group=group)
+    return [r for r, f in enumerate(flags.tolist()) if f]
+
+
+def early_termination(group: bc.ProcessGroup) -> RuntimeError:
+    return RuntimeError(f"rank {group.rank}: a rank ran out of inputs and "
+                        "throw_on_early_termination=True stops every rank")
+
+
+def shadow_step(module, src: int) -> None:
+    """One step's collectives, in the order an active rank issues them, with no data;
+    ``src``: the highest rank with data, whose buffers every rank takes."""
+    m = module
+    # forward (BaguaModule._forward_pre, after the count)
+    if m._sync_buffers:
+        broadcast_tensors(m._sync_buffers, m.group, src)
+    if m._order_pending:
+        m._fix_order()
+    m.ctx.step += 1
+    m.impl.forward_pre_hook(m.ctx)
+    # backward: every bucket in index order, zero gradient, flags 0 (no gradient here)
+    handles = []
+    for b in m.buckets:
+        b.grad_and_flags.zero_()
+        handles.append(m._launch_on_stream(b) if b.device.type == "cuda"
+                       else m.impl.bucket_ready_hook(m.ctx, b))
+    for h in handles:
+        if h is not None:
+            h.wait()
+    for p in m._sparse:
+        allreduce_sparse(None, p, m.group, m._sparse_average)
+    m.impl.post_backward_hook(m.ctx)
+
+
+def final_sync(module, last_joiner: bool) -> None:
+    """Every rank takes the parameters and buffers of the highest rank among the last to
+    run out of data (collective)."""
+    g = module.group
+    t = torch.tensor([g.rank if last_joiner else -1], dtype=torch.int64)
+    bc.allreduce_inplace(t, bc.ReduceOp.MAX, group=g)
+    src = int(t.item())
+    mod = module.ctx.module
+    broadcast_tensors(list(dict.fromkeys(mod.parameters())) + list(dict.fromkeys(mod.buffers())),
+                      g, src)
