@@ -159,6 +159,41 @@ def test_an_embedding_unfrozen_after_wrapping_is_averaged_sparsely():
     assert torch.equal(results[0][1], results[1][1])
 
 
+class _Tied(torch.nn.Module):
+    """The sparse embedding's weight also used densely (an output layer tied to it): its
+    gradient accumulates dense."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = torch.nn.Embedding(50, 8, sparse=True)
+
+    def forward(self, i):
+        return self.tok(i).mean(1) @ self.tok.weight.t()
+
+
+def _tied(wrapped):
+    rank = bc.get_rank() if wrapped else None
+    model = _Tied()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)     # a dense optimizer
+    net = with_bagua(model, [opt], GradientAllReduce()) if wrapped else model
+    for step in range(3):
+        opt.zero_grad()
+        for r in ((rank,) if wrapped else (0, 1)):           # reference: both ranks' losses
+            x, _ = _batch(step, r)
+            loss = net(x).logsumexp(1).mean()
+            (loss if wrapped else loss / 2).backward()
+        opt.step()
+    return model.tok.weight.detach().clone()
+
+
+def test_a_tied_sparse_weight_with_a_dense_gradient_stays_dense():
+    ours = run_ranks(_tied, 2, args=(True,), timeout=120)
+    ref = _tied(False)
+    assert torch.equal(ours[0], ours[1])
+    assert torch.allclose(ours[0], ref, atol=1e-5), (ours[0] - ref).abs().max()
+
+
 def _reduce_cases():
     rank, n = bc.get_rank(), bc.get_world_size()
     param = torch.zeros(10, 3)

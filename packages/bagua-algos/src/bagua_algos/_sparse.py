@@ -18,14 +18,17 @@ import bagua_comm as bc
 def allreduce_sparse(grad: torch.Tensor | None, param: torch.Tensor, group: bc.ProcessGroup,
                      average: bool = True) -> torch.Tensor | None:
     """The sum (``average``: the mean) over ``group`` of every rank's sparse ``grad`` of
-    ``param``, as a coalesced sparse tensor.  A rank whose ``grad`` is None counts as zero;
+    ``param``, as a coalesced sparse tensor (dense if ``grad`` came dense).  A rank whose ``grad`` is None counts as zero;
     None when no rank has a gradient.  Collective: every rank calls it for the same ``param``
     in the same order."""
     n = group.size
     dev = param.device
     dense_dims = tuple(param.shape[1:])
+    # a weight also used densely (tied to an output layer) accumulates a dense gradient:
+    # exchanged as its rows, handed back dense, as it came
+    dense_in = grad is not None and not grad.is_sparse
     if grad is not None:
-        g = grad.coalesce()
+        g = (grad.to_sparse(1) if dense_in else grad).coalesce()
         idx, vals = g.indices()[0], g.values()
     else:
         idx = torch.empty(0, dtype=torch.int64, device=dev)
@@ -36,7 +39,7 @@ def allreduce_sparse(grad: torch.Tensor | None, param: torch.Tensor, group: bc.P
     counts = counts.tolist()
     most = max(counts)
     if most == 0:
-        return None if grad is None else grad.coalesce() / (n if average else 1)
+        return None if grad is None else grad / (n if average else 1)
     row = 1
     for d in dense_dims:
         row *= d
@@ -53,7 +56,8 @@ def allreduce_sparse(grad: torch.Tensor | None, param: torch.Tensor, group: bc.P
     vals = torch.cat([all_vals[r, :c] for r, c in enumerate(counts)])
     out = torch.sparse_coo_tensor(idx.unsqueeze(0), vals, param.shape,
                                   check_invariants=True).coalesce()
-    return out / n if average else out
+    out = out / n if average else out
+    return out.to_dense() if dense_in else out
 
 
 def sparse_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
