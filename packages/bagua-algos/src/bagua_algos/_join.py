@@ -60,19 +60,12 @@ def shadow_step(module, src: int) -> None:
     """One step's collectives, in the order an active rank issues them, with no data;
     ``src``: the highest rank with data, whose buffers every rank takes."""
     m = module
-    # forward (BaguaModule._forward_pre, after the count)
-    if m._sync_buffers:
-        broadcast_tensors(m._sync_buffers, m.group, src)
-    if m._order_pending:
-        m._fix_order()
-    m.ctx.step += 1
-    m.impl.forward_pre_hook(m.ctx)
+    m._start_step(src)           # forward: what an active rank does after the count
     # backward: every bucket in index order, zero gradient, flags 0 (no gradient here)
     handles = []
     for b in m.buckets:
         b.grad_and_flags.zero_()
-        handles.append(m._launch_on_stream(b) if b.device.type == "cuda"
-                       else m.impl.bucket_ready_hook(m.ctx, b))
+        handles.append(m._start_bucket(b))
     for h in handles:
         if h is not None:
             h.wait()

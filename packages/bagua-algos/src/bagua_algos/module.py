@@ -326,16 +326,22 @@ class BaguaModule(torch.nn.Module):
                 if len(ranks) < self.group.size and self._join["throw"]:
                     raise early_termination(self.group)
                 src = ranks[-1]
-            if self._frozen and any(p.requires_grad for p in self._frozen):
-                self._adopt_unfrozen()
-            if self._sync_buffers:
-                broadcast_tensors(self._sync_buffers, self.group, src)
-            if self._order_pending:
-                self._fix_order()
-            self.ctx.step += 1
-            if self._autotuner is not None:
-                self._autotuner.on_step(self)     # may switch configuration, on every rank
-            self.impl.forward_pre_hook(self.ctx)
+            self._start_step(src)
+
+    def _start_step(self, src: int) -> None:
+        """A synchronised step's collectives before its forward (and a joined rank's shadow
+        of them): buffers from rank ``src``, the one-time bucket order, the tuner, the
+        algorithm's hook."""
+        if self._frozen and any(p.requires_grad for p in self._frozen):
+            self._adopt_unfrozen()
+        if self._sync_buffers:
+            broadcast_tensors(self._sync_buffers, self.group, src)
+        if self._order_pending:
+            self._fix_order()
+        self.ctx.step += 1
+        if self._autotuner is not None:
+            self._autotuner.on_step(self)     # may switch configuration, on every rank
+        self.impl.forward_pre_hook(self.ctx)
 
     def _adopt_unfrozen(self) -> None:
         """Parameters frozen at ``with_bagua`` that now require a gradient join the buckets
@@ -438,11 +444,13 @@ class BaguaModule(torch.nn.Module):
                 self._carried = self.impl.carries_unused_flags(self.ctx)
                 if self._carried:
                     self._local_flags(b.flags)
-            if b.device.type == "cuda":
-                handle = self._launch_on_stream(b)
-            else:
-                handle = self.impl.bucket_ready_hook(self.ctx, b)
-            self._handles.append((b, handle))
+            self._handles.append((b, self._start_bucket(b)))
+
+    def _start_bucket(self, bucket):
+        """The algorithm's communication of a ready bucket: its handle (or None)."""
+        if bucket.device.type == "cuda":
+            return self._launch_on_stream(bucket)
+        return self.impl.bucket_ready_hook(self.ctx, bucket)
 
     def _launch_on_stream(self, bucket):
         # No host synchronisation: the side stream waits for the gradients on the GPU.

@@ -18,6 +18,7 @@ import functools
 
 import torch
 
+from ._minmax4 import record_bytes4
 from .compression import _KINDS, HEADER_BYTES, header_bytes, record_bytes
 
 _SOURCE = r"""
@@ -202,8 +203,6 @@ def compress(flat: torch.Tensor, chunks: int, payload: torch.Tensor | None = Non
     """The ``bits``-bit record layout (8: ``compression``; 4: ``_minmax4``) on the GPU."""
     import numpy as np
 
-    from ._minmax4 import record_bytes4
-
     if chunks > 65535:
         raise ValueError(f"chunks must be <= 65535 for CUDA tensors, got {chunks}")
     m = flat.numel() // chunks
@@ -230,8 +229,6 @@ def compress(flat: torch.Tensor, chunks: int, payload: torch.Tensor | None = Non
 def decompress(payload: torch.Tensor, out: torch.Tensor, chunks: int, dtype: torch.dtype,
                bits: int = 8):
     import numpy as np
-
-    from ._minmax4 import record_bytes4
 
     m = out.numel() // chunks
     rec = record_bytes(m) if bits == 8 else record_bytes4(m)
