@@ -18,12 +18,12 @@ from bagua_comm.testing import run_ranks
 STEPS = 5
 SCENARIOS = ("sgd", "adamw", "no_sync", "clip", "two_optimizers", "grad_scaler",
              "eval_between", "zero_grad_keep", "small_buckets", "lr_scheduler", "batchnorm",
-             "two_forwards")
+             "two_forwards", "no_sync_bn", "eval_between_bn")
 
 
 def _model(scenario):
     model = make_model(seed=3)
-    if scenario in ("batchnorm", "two_forwards"):
+    if scenario in ("batchnorm", "two_forwards", "no_sync_bn", "eval_between_bn"):
         # running statistics: DDP broadcasts rank 0's each forward
         torch.manual_seed(4)
         model.insert(1, torch.nn.BatchNorm1d(model[0].out_features))
@@ -59,10 +59,12 @@ def _run(wrapper, scenario, algorithm="gradient_allreduce"):
     sched = (torch.optim.lr_scheduler.StepLR(opts[0], step_size=2, gamma=0.5)
              if scenario == "lr_scheduler" else None)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if scenario == "grad_scaler" else None
+    evals = []
     for step in range(STEPS):
         for o in opts:
             o.zero_grad(set_to_none=scenario != "zero_grad_keep")
-        if scenario == "no_sync":
+        if scenario.startswith("no_sync"):       # with BatchNorm: DDP broadcasts the
+            # buffers in the cycle's first forward (the one after a synchronised forward)
             x, y = batch(step, rank, micro=1)
             with net.no_sync():
                 torch.nn.functional.mse_loss(net(x), y).backward()
@@ -86,12 +88,13 @@ def _run(wrapper, scenario, algorithm="gradient_allreduce"):
             o.step()
         if sched is not None:
             sched.step()
-        if scenario == "eval_between":
-            net.eval()
+        if scenario.startswith("eval_between"):  # with BatchNorm: DDP's evaluation forward
+            net.eval()                          # after a step runs on rank 0's statistics
             with torch.no_grad():
-                net(batch(500 + step, rank)[0])
+                evals.append(net(batch(500 + step, rank)[0]))
             net.train()
     state = {"params": [p.detach().clone() for p in model.parameters()],
+             "eval": evals,
              "buffers": [b.detach().clone() for b in model.buffers()],
              "optim": [o.state_dict()["state"] for o in opts],
              "scale": None if scaler is None else scaler.get_scale()}

@@ -64,6 +64,44 @@ def test_uneven_inputs_under_join_equal_ddp(sparse):
     assert torch.equal(results[0][1], results[1][1])
 
 
+def _epochs():
+    """Two epochs, each its own join() (uneven the other way round in the second), with a
+    no_sync() micro-batch before each step and an evaluation pass after each epoch: the
+    buffer broadcasts follow DDP's timing (the forward after a synchronised one), which the
+    joined rank shadows too."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank = bc.get_rank()
+    out = {}
+    for kind in ("ddp", "bagua"):
+        model = _Model(False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        net = (DistributedDataParallel(model) if kind == "ddp"
+               else with_bagua(model, [opt], GradientAllReduce()))
+        evals = []
+        for epoch, batches in enumerate(({0: 5, 1: 3}, {0: 2, 1: 4})):
+            with net.join():
+                for step in range(batches[rank]):
+                    opt.zero_grad()
+                    x, y = _batch(50 + step + 10 * epoch, rank)
+                    with net.no_sync():
+                        ((net(x) - y) ** 2).mean().backward()
+                    x, y = _batch(step + 10 * epoch, rank)
+                    ((net(x) - y) ** 2).mean().backward()
+                    opt.step()
+            net.eval()
+            with torch.no_grad():
+                evals.append(net(_batch(99, rank)[0]))
+            net.train()
+        out[kind] = torch.cat([t.detach().flatten().float()
+                               for t in [*model.parameters(), *model.buffers(), *evals]])
+    return (out["ddp"] - out["bagua"]).abs().max().item()
+
+
+def test_epochs_of_accumulation_and_evaluation_under_join_equal_ddp():
+    assert run_ranks(_epochs, 2, timeout=120) == [0.0, 0.0]
+
+
 def _throws():
     rank = bc.get_rank()
     model = _Model(False)

@@ -1,15 +1,16 @@
 """Uneven inputs: :meth:`BaguaModule.join`, DDP's ``join()`` for GradientAllReduce.
 
-Inside the context every training forward of a rank that still has data starts with a tiny
-allgather of "I have data" flags.  A rank whose loop has ended leaves the context and *shadows*
-the others' steps: it adds 0 to that count, then issues every collective of one step in the
-same order (the buffer broadcast, the one-time bucket reordering, each bucket's allreduce with
-a zero gradient and no "got a gradient" flag, the sparse exchanges), so nobody waits for a
-rank that has stopped.  Gradients are averaged over the initial world size, as DDP's default
-``divide_by_initial_world_size=True``.  When the count reaches 0 every rank takes the model of
-the highest rank among those that ran out last (their optimizers stepped the most), as DDP.
-While joining, the buffers come from the highest rank with data instead of rank 0 (DDP's
-authoritative rank under ``join()``, all ranks active or not).
+Inside the context, every forward of a rank that still has data and communicates (a training
+step, or a buffer broadcast) starts with a tiny allgather of "I have data" flags, which also
+say what that forward does.  A rank whose loop has ended leaves the context and *shadows* the
+others' forwards: it adds 0 to that count, then issues the same collectives in the same order
+(the buffer broadcast; for a training step the one-time bucket reordering, each bucket's
+allreduce with a zero gradient and no "got a gradient" flag, the sparse exchanges), so nobody
+waits for a rank that has stopped.  Gradients are averaged over the initial world size, as
+DDP's default ``divide_by_initial_world_size=True``.  When the count reaches 0 every rank takes
+the model of the highest rank among those that ran out last (their optimizers stepped the
+most), as DDP.  While joining, the buffers come from the highest rank with data instead of
+rank 0 (DDP's authoritative rank under ``join()``, all ranks active or not).
 """
 
 from __future__ import annotations
@@ -42,13 +43,19 @@ def check_joinable(module, divide_by_initial_world_size, enable, throw) -> None:
                          "are averaged over the initial world size (DDP's default)")
 
 
-def active_ranks(group: bc.ProcessGroup, active: bool) -> list[int]:
-    """Collective: the ranks that still have data (this one among them if ``active``), by
-    one allgather of a flag: their number, and the highest of them, whose buffers every rank
-    takes while joining (DDP's authoritative rank under ``join()``)."""
+def join_round(group: bc.ProcessGroup, active: bool, buffers: bool = False,
+               step: bool = False) -> tuple[list[int], tuple[bool, bool]]:
+    """Collective, one allgather of a byte per rank: the ranks that still have data (this one
+    among them if ``active``; the highest of them is whose buffers every rank takes while
+    joining, DDP's authoritative rank under ``join()``), and what their forward does: whether
+    it broadcasts the buffers and whether it starts a synchronised step (what a joined rank
+    shadows)."""
     flags = torch.empty(group.size, dtype=torch.uint8)
-    bc.allgather(torch.tensor([1 if active else 0], dtype=torch.uint8), flags, group=group)
-    return [r for r, f in enumerate(flags.tolist()) if f]
+    code = (1 if active else 0) | (2 if buffers else 0) | (4 if step else 0)
+    bc.allgather(torch.tensor([code], dtype=torch.uint8), flags, group=group)
+    codes = flags.tolist()
+    ranks = [r for r, f in enumerate(codes) if f & 1]
+    return ranks, (any(f & 2 for f in codes), any(f & 4 for f in codes))
 
 
 def early_termination(group: bc.ProcessGroup) -> RuntimeError:
@@ -56,11 +63,14 @@ def early_termination(group: bc.ProcessGroup) -> RuntimeError:
                         "throw_on_early_termination=True stops every rank")
 
 
-def shadow_step(module, src: int) -> None:
-    """One step's collectives, in the order an active rank issues them, with no data;
-    ``src``: the highest rank with data, whose buffers every rank takes."""
+def shadow_step(module, src: int, buffers: bool = True, step: bool = True) -> None:
+    """One forward's collectives, in the order an active rank issues them, with no data:
+    the buffer broadcast (``buffers``) and a synchronised step's (``step``); ``src``: the
+    highest rank with data, whose buffers every rank takes."""
     m = module
-    m._start_step(src)           # forward: what an active rank does after the count
+    m._start_step(src, buffers, step)    # forward: what an active rank does after the count
+    if not step:
+        return
     # backward: every bucket in index order, zero gradient, flags 0 (no gradient here)
     handles = []
     for b in m.buckets:

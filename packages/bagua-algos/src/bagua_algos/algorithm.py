@@ -138,7 +138,7 @@ class AlgorithmImpl:
     Class attributes tune the framework: ``bucket_alignment(group)`` pads every bucket to a
     multiple (compressors split buckets into per-rank chunks); ``synchronous = True`` (identical
     models on every rank after each step) lets ``broadcast_buffers`` broadcast rank 0's buffers
-    before each training forward; ``flatten_weights = True``
+    before the training steps (DDP's timing); ``flatten_weights = True``
     makes parameters views of one flat weight buffer per bucket (for algorithms that
     communicate weights); ``uses_grad_buckets = False`` skips gradient buckets altogether;
     ``unused_check_beside = True`` declares that the buckets' communication never issues a
@@ -152,7 +152,7 @@ class AlgorithmImpl:
     uses_grad_buckets: ClassVar[bool] = True
     unused_check_beside: ClassVar[bool] = False
     # True: every rank holds the same model after each step, so that with_bagua's
-    # broadcast_buffers=True starts every training forward from rank 0's buffers (as DDP)
+    # broadcast_buffers=True starts every training step from rank 0's buffers (as DDP)
     synchronous: ClassVar[bool] = False
 
     def __init__(self, group: bc.ProcessGroup):

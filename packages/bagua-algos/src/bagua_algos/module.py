@@ -19,7 +19,7 @@ from ._checks import check_bucket_size, check_model
 from ._comm import broadcast_tensors
 from ._compiled import eager as _eager
 from ._compiled import uncompiled as _uncompiled
-from ._join import active_ranks, check_joinable, early_termination, final_sync, shadow_step
+from ._join import check_joinable, early_termination, final_sync, join_round, shadow_step
 from ._sparse import allreduce_sparse, sparse_parameters
 from .algorithm import Algorithm, AlgorithmImpl, BaguaContext
 
@@ -42,9 +42,11 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
     module switches it to another algorithm.
 
     ``broadcast_buffers=True`` (DDP's default): with a synchronous algorithm
-    (GradientAllReduce, ByteGrad, QAdam, TopK, LowRank) every training forward starts from
-    rank 0's buffers (BatchNorm running statistics), broadcast just before it; the other
-    algorithms leave each rank its own buffers (their pages say how they treat them).
+    (GradientAllReduce, ByteGrad, QAdam, TopK, LowRank) rank 0's buffers (BatchNorm running
+    statistics) are broadcast at the start of the forward after a synchronised one with
+    autograd on (DDP's timing: every training step starts from them, a no_sync() cycle in
+    its first micro-batch, an evaluation forward right after a step sees them too); the
+    other algorithms leave each rank its own buffers (their pages say how they treat them).
 
     ``autotune=True`` (or ``BAGUA_AUTOTUNE=1``) tunes the bucket size (and other knobs that
     leave the algorithm's maths unchanged) during the first steps of training, starting from
@@ -186,6 +188,10 @@ class BaguaModule(torch.nn.Module):
         self._sync_buffers = (list(dict.fromkeys(module.buffers()))
                               if broadcast_buffers and self.impl.synchronous and group.size > 1
                               else [])
+        # DDP's timing: a forward broadcasts the buffers when the forward before it was a
+        # synchronised one with autograd on (require_forward_param_sync): the first
+        # micro-batch of a no_sync() cycle, an evaluation forward right after a step
+        self._buffers_due = True
         self._used_nosync: set[int] = set()    # gradients accumulated under no_sync()
         self._carried = False      # this step's flags ride in the last bucket's allreduce
         self._join: dict | None = None      # inside join(): {"throw": bool}
@@ -319,23 +325,30 @@ class BaguaModule(torch.nn.Module):
         _eager(self._forward_pre, module, inputs)
 
     def _forward_pre(self, _module, _inputs) -> None:
-        if self.training and torch.is_grad_enabled() and self._sync:
-            src = 0                 # buffers: rank 0's; while joining, the highest active
-            if self._join is not None:
-                ranks = active_ranks(self.group, True)
-                if len(ranks) < self.group.size and self._join["throw"]:
-                    raise early_termination(self.group)
-                src = ranks[-1]
-            self._start_step(src)
+        grad = torch.is_grad_enabled()
+        step = self.training and grad and self._sync
+        buffers = self._buffers_due and bool(self._sync_buffers)
+        self._buffers_due = grad and self._sync
+        if not (step or buffers):
+            return
+        src = 0                     # buffers: rank 0's; while joining, the highest active
+        if self._join is not None:
+            ranks, _ = join_round(self.group, True, buffers, step)
+            if len(ranks) < self.group.size and self._join["throw"]:
+                raise early_termination(self.group)
+            src = ranks[-1]
+        self._start_step(src, buffers, step)
 
-    def _start_step(self, src: int) -> None:
-        """A synchronised step's collectives before its forward (and a joined rank's shadow
-        of them): buffers from rank ``src``, the one-time bucket order, the tuner, the
-        algorithm's hook."""
-        if self._frozen and any(p.requires_grad for p in self._frozen):
+    def _start_step(self, src: int, buffers: bool = True, step: bool = True) -> None:
+        """A forward's collectives (and a joined rank's shadow of them): the buffers from rank
+        ``src`` when ``buffers``; when ``step`` (a synchronised training forward), the
+        one-time bucket order, the tuner, the algorithm's hook."""
+        if step and self._frozen and any(p.requires_grad for p in self._frozen):
             self._adopt_unfrozen()
-        if self._sync_buffers:
+        if buffers and self._sync_buffers:
             broadcast_tensors(self._sync_buffers, self.group, src)
+        if not step:
+            return
         if self._order_pending:
             self._fix_order()
         self.ctx.step += 1
@@ -661,10 +674,13 @@ class BaguaModule(torch.nn.Module):
         finally:
             self._join = None
         last = True                           # reached only when the loop ended normally
-        while ranks := active_ranks(self.group, False):
+        while True:
+            ranks, (buffers, step) = join_round(self.group, False)
+            if not ranks:
+                break
             if throw_on_early_termination:
                 raise early_termination(self.group)
-            shadow_step(self, ranks[-1])
+            shadow_step(self, ranks[-1], buffers, step)
             last = False
         final_sync(self, last)
 

@@ -123,7 +123,7 @@ def select(corrected: torch.Tensor, slots, indices: torch.Tensor) -> None:
 
 class TopKImpl(AlgorithmImpl):
     # every rank decodes the same exchanged data: identical models after each step, so
-    # broadcast_buffers=True starts each training forward from rank 0's buffers (as DDP)
+    # broadcast_buffers=True starts each training step from rank 0's buffers (as DDP)
     synchronous = True
 
     def __init__(self, group, algo: TopK):
