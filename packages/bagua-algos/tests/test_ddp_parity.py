@@ -61,6 +61,88 @@ def test_reentrant_checkpointing_communicates_once_per_backward(name):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+# -- a block shared by several reentrant-checkpointed segments ------------------------------
+class _SharedBlock(torch.nn.Module):
+    """One block applied ``uses`` times, each application checkpointed (reentrant): its
+    gradient is accumulated once per segment, in separate inner backwards."""
+
+    def __init__(self, uses=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.block, self.head = (torch.nn.Linear(6, 64), torch.nn.Linear(64, 64),
+                                           torch.nn.Linear(64, 1))
+        self.uses = uses
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.inp(x))
+        for _ in range(self.uses):
+            h = checkpoint(lambda t: torch.tanh(self.block(t)), h, use_reentrant=True)
+        return self.head(h)
+
+
+SHARED = {"gradient_allreduce": GradientAllReduce,
+          "topk_dense": lambda: Algorithm.init("topk", density=1.0),
+          "low_rank_full": lambda: Algorithm.init("low_rank", rank=64, min_compression_rate=0.0)}
+
+
+def _shared_block(kind):
+    rank = bc.get_rank()
+    model = _SharedBlock()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # the block's weight in a bucket of its own, which would start after its first segment
+    net = (DDP(model, static_graph=True) if kind == "ddp"
+           else with_bagua(model, [opt], SHARED[kind](), bucket_size=64 * 64 * 4))
+    for step in range(4):
+        opt.zero_grad()
+        x, y = batch(step, rank)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _shared_block_runs():
+    return {k: _shared_block(k) for k in ("ddp", *SHARED)}
+
+
+def test_block_shared_by_reentrant_checkpointed_segments_equals_ddp():
+    """Before the fix the block's bucket started after its first segment's gradient and the
+    second was added into it in flight: GradientAllReduce left the ranks different, TopK and
+    LowRank (lossless settings) lost the second segment's gradient on every rank."""
+    r0, r1 = run_ranks(_shared_block_runs, 2, timeout=180)
+    assert torch.equal(r0["ddp"], r1["ddp"])
+    for kind in SHARED:
+        assert torch.equal(r0[kind], r1[kind]), kind
+        atol = 0.0 if kind != "low_rank_full" else 1e-6
+        diff = (r0[kind] - r0["ddp"]).abs().max().item()
+        assert diff <= atol, f"{kind} differs from DDP(static_graph=True) by {diff:.3g}"
+
+
+def _more_segments_later():
+    rank = bc.get_rank()
+    model = _SharedBlock(uses=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    net = with_bagua(model, [opt], GradientAllReduce(), bucket_size=64 * 64 * 4)
+    for step in range(3):
+        model.uses = 1 if step < 2 else 2     # a second segment only from the third step
+        opt.zero_grad()
+        x, y = batch(step, rank)
+        try:
+            torch.nn.functional.mse_loss(net(x), y).backward()
+        except RuntimeError as err:
+            return step, str(err)
+        opt.step()
+    return None
+
+
+def test_more_reentrant_segments_than_before_raise_instead_of_a_wrong_average():
+    for step, msg in run_ranks(_more_segments_later, 2, timeout=120):
+        assert step == 2
+        assert "parameter 'block." in msg and "received gradient accumulation 2" in msg
+        assert "use_reentrant=False" in msg
+
+
 # -- parameters without a gradient ------------------------------------------------------------
 class _Branchy(torch.nn.Module):
     """``a`` always used; ``b`` used on rank 0 at even steps only; ``c`` never used."""

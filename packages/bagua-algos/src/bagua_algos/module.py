@@ -159,6 +159,8 @@ class BaguaModule(torch.nn.Module):
         self._hooks: list = []
         self._cb_queued = False
         self._ready: set[int] = set()
+        self._fires: dict[int, int] = {}           # this backward's accumulations per tensor
+        self._expected_fires: dict[int, int] = {}  # the most seen in one backward (if > 1)
         self._comm_stream = None
         # bucket order: the gradient-ready order of the first synchronised backward (as DDP)
         self._observing = True
@@ -419,14 +421,38 @@ class BaguaModule(torch.nn.Module):
             Variable._execution_engine.queue_callback(self._backward_end)
         key = id(param)
         i = self._bucket_of.get(key)
-        if i is None or key in self._ready:
+        if i is None:
             return
-        self._ready.add(key)
-        if self._observing:
-            self._observed.append(key)
+        # A weight used in several reentrant-checkpointed segments (a shared block) has its
+        # gradient accumulated, and this hook run, once per segment: it is ready after the
+        # most accumulations seen in a backward (learnt in the first one, which launches
+        # nothing before its end, as DDP's static_graph), not after the first.
+        n = self._fires[key] = self._fires.get(key, 0) + 1
+        if n == 1:
+            self._ready.add(key)
+            if self._observing:
+                self._observed.append(key)
+        expected = self._expected_fires.get(key, 1)
+        if n > expected:
+            self._expected_fires[key] = n
+            if i < self._next:
+                raise self._late_accumulation(param, n, expected)
+            return
+        if n < expected:
+            return
         self._pending[i] -= 1
-        if self._pending[i] == 0:
+        if self._pending[i] == 0 and not self._observing:
             self._launch(force=False)
+
+    def _late_accumulation(self, param, n: int, expected: int) -> RuntimeError:
+        names = {id(p): name for name, p in self.ctx.module.named_parameters()}
+        return RuntimeError(
+            f"parameter {names.get(id(param), '?')!r} received gradient accumulation {n} in "
+            f"this backward after its bucket's communication had started (earlier backwards "
+            f"accumulated it at most {expected} times, e.g. a block used in more reentrant-"
+            f"checkpointed segments than before): its averaged gradient would be wrong. Use "
+            f"torch.utils.checkpoint(..., use_reentrant=False), or use it as many times in "
+            f"the first backward as in any later one; this rank's next backward waits for {n}")
 
     def _sparse_ready(self, _param) -> None:
         """A sparse-gradient weight's gradient arrived: it is averaged at the end of backward
@@ -552,6 +578,7 @@ class BaguaModule(torch.nn.Module):
             self._carried = False
             self._handles.clear()
             self._ready.clear()
+            self._fires.clear()
             self._used_nosync.clear()
             self._pending = [len(b.params) for b in self.buckets]
             self._next = 0
