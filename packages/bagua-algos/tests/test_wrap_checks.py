@@ -125,3 +125,46 @@ def _functional_sparse():
 def test_sparse_gradient_at_run_time_raises_on_every_rank_naming_the_parameter():
     for message in run_ranks(_functional_sparse, 2, timeout=120):
         assert message is not None and "'table' got a sparse gradient" in message
+
+
+# -- QAdam averages its QAdamOptimizer's parameters only -------------------------------------
+def test_qadam_refuses_trainable_parameters_outside_its_optimizer():
+    """Before: with the head in an SGD optimizer beside the QAdamOptimizer, the head's
+    gradients were never averaged and the ranks drifted apart (0.12 after 4 steps)."""
+    model = _Emb(sparse=False)
+    q = QAdamOptimizer(model.tok.parameters(), lr=0.01)
+    sgd = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"q_adam_optimizer: parameters \['head.weight', "
+                                         r"'head.bias'\] require grad but are not in the "
+                                         r"QAdamOptimizer"):
+        with_bagua(model, [q, sgd], QAdam(q))
+    model.head.requires_grad_(False)                # frozen: nothing to average, accepted
+    with pytest.raises(RuntimeError, match="not initialised"):
+        with_bagua(model, [q], QAdam(q))
+
+
+def test_qadam_refuses_an_optimizer_over_another_model():
+    model, other = _Emb(sparse=False), _Emb(sparse=False)
+    q = QAdamOptimizer([*model.parameters(), *other.head.parameters()], lr=0.01)
+    with pytest.raises(ValueError, match="2 of its parameters are not the wrapped model's"):
+        with_bagua(model, [q], QAdam(q))
+
+
+def _qadam_group_added_later():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model[1].requires_grad_(False)
+    q = QAdamOptimizer(model[0].parameters(), lr=0.01, warmup_steps=2)
+    net = with_bagua(model, [q], QAdam(q, hierarchical=False))
+    model[1].requires_grad_(True)
+    q.add_param_group({"params": list(model[1].parameters())})
+    net(torch.ones(2, 4)).sum().backward()
+    try:
+        q.step()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_qadam_refuses_a_param_group_added_after_wrapping():
+    for message in run_ranks(_qadam_group_added_later, 2, timeout=120):
+        assert message is not None and "add_param_group() after with_bagua" in message

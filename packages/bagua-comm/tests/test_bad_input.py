@@ -62,6 +62,13 @@ def _cases():
          "must be sequences of ints"),
         (lambda: bc.alltoall_v(f, [1, 1], [0, 1], f, [2, 2], [0, 2]), "must equal recv_counts"),
         (lambda: bc.allreduce_inplace(f, group=_DESTROYED[0]), "was destroyed"),
+        # a fractional, bool or string rank used to become int(r): another rank, silently
+        (lambda: bc.new_group([1.5]), "ranks must be ints"),
+        (lambda: bc.new_group([True]), "ranks must be ints"),
+        (lambda: bc.new_group(["1"]), "ranks must be ints"),
+        (lambda: bc.new_group("01"), "ranks must be None or an iterable"),
+        (lambda: bc.new_group([0, 0]), "ranks must be distinct"),
+        (lambda: bc.new_group([0, 2]), "ranks must be in [0, world_size=2)"),
     ]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import numbers
 import os
 import warnings
 from datetime import timedelta
@@ -388,7 +389,16 @@ def new_group(ranks=None) -> ProcessGroup:
     Its group ranks follow the global ranks' order (``ranks`` is sorted).  Its collectives
     time out after ``init_process_group``'s ``timeout``."""
     world = get_world_size()
-    ranks = list(range(world)) if ranks is None else [int(r) for r in ranks]
+    if ranks is not None:
+        if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+            raise ValueError(f"ranks must be None or an iterable of int ranks, got {ranks!r}")
+        ranks = list(ranks)
+        odd = [r for r in ranks if isinstance(r, bool) or not isinstance(r, numbers.Integral)]
+        if odd:
+            raise ValueError(f"ranks must be ints (global ranks), got {odd!r} in {ranks!r}")
+        ranks = [int(r) for r in ranks]
+    else:
+        ranks = list(range(world))
     if not ranks:
         raise ValueError("ranks must not be empty")
     if len(set(ranks)) != len(ranks):

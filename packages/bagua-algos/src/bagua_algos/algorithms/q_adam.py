@@ -76,6 +76,11 @@ class QAdamOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._under_qadam and len(self.param_groups) != self._qadam_groups:
+            raise ValueError("QAdamOptimizer.add_param_group() after with_bagua: QAdam averages "
+                             "the parameters the optimizer held at with_bagua, so the new ones "
+                             "would differ between ranks. Add the groups before with_bagua, or "
+                             "wrap again (with_bagua(model, [optimizer], QAdam(optimizer)))")
         scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         if scale is not None or found_inf is not None:
@@ -145,6 +150,28 @@ class QAdam(Algorithm, name="qadam"):
     def __repr__(self) -> str:
         return f"QAdam(hierarchical={self.hierarchical}, compressor={self.compressor!r})"
 
+    def check_wrap(self, module: torch.nn.Module, optimizers: list) -> None:
+        """QAdam averages its QAdamOptimizer's parameters only (their gradients in warmup,
+        their momenta after it): a trainable parameter outside it would train apart on every
+        rank, and one of another model would never be averaged."""
+        from .diloco import trainable
+
+        own = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        missing = [name for name, p in trainable(module) if id(p) not in own]
+        if missing:
+            raise ValueError(
+                f"q_adam_optimizer: parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+                f" require grad but are not in the QAdamOptimizer given to QAdam, which averages "
+                f"only its own parameters, so these would differ between ranks. Put every "
+                f"trainable parameter in the QAdamOptimizer (param groups may set their own lr) "
+                f"or freeze them (requires_grad_(False))")
+        mine = {id(p) for p in module.parameters()}
+        foreign = sum(1 for g in self.optimizer.param_groups for p in g["params"]
+                      if id(p) not in mine)
+        if foreign:
+            raise ValueError(f"q_adam_optimizer: {foreign} of its parameters are not the wrapped "
+                             f"model's; build the QAdamOptimizer over model.parameters()")
+
     def reify(self, group):
         return QAdamImpl(group, self)
 
@@ -181,6 +208,7 @@ class QAdamImpl(AlgorithmImpl):
         self.state = QAdamState(group, algo)
         self._group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
         self.optimizer._under_qadam = True
+        self.optimizer._qadam_groups = len(self.optimizer.param_groups)
 
     def bucket_alignment(self) -> int:
         return self.state.compressed.alignment()
