@@ -39,6 +39,9 @@ def _async_average():
     bc.barrier()
     start = impl.rounds
     _wait_for(lambda: impl.rounds >= start + 2, "two averaging rounds")
+    # Each rank read its own start: one that read it a round later must see its two rounds
+    # before a peer's abort stops the threads (else it waits forever).
+    bc.barrier()
     # Only rank 0 aborts; rank 1's thread must stop too, through the agreed flag.
     if rank == 0:
         model.abort()
@@ -55,6 +58,7 @@ def _async_average():
         opt.step()
     more = impl.rounds
     _wait_for(lambda: impl.rounds > more, "a round after resume")
+    bc.barrier()                          # as above: every rank saw its round before abort
     model.abort()
     out["stopped"] = impl.thread is None and impl.stopped
     return out

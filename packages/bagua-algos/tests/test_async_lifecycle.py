@@ -59,6 +59,9 @@ def _abort_on_one_rank_then_resume_everywhere():
     model.resume()
     mid = impl.rounds
     _wait_for(lambda: impl.rounds >= mid + 2, "averaging rounds after a second resume()")
+    # each rank read its own ``mid``: one whose count was a round behind must see its rounds
+    # before the peer's abort stops both threads
+    bc.barrier()
     model.abort()
     out["stopped"] = impl.thread is None and impl.stopped
     return out
@@ -117,6 +120,7 @@ def _closure_raises_inside_step():
     _train(model, opt, range(2, 4))
     _wait_for(lambda: impl.rounds >= before + 2, "averaging rounds after the failed step",
               limit=20)
+    bc.barrier()          # every rank saw its rounds before a peer's abort stops the threads
     try:                                  # and again, then abort() straight away
         opt.step(closure)
     except ValueError:

@@ -93,10 +93,12 @@ def reference_low_precision(steps=STEPS):
     return _flat(model)
 
 
-def _run(algorithm, bucket_size=300, do_flatten=True):
+def _run(algorithm, bucket_size=300, do_flatten=True, eval_mode=False):
     model = make_model(seed=bc.get_rank() + 1)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     model = with_bagua(model, [opt], algorithm, bucket_size=bucket_size, do_flatten=do_flatten)
+    if eval_mode:       # training with the whole model in eval mode (frozen BatchNorm
+        model.eval()    # statistics): DDP communicates as in train mode; so must we
     before = eval_loss(model, bc.get_world_size())
     rank = bc.get_rank()
     for step in range(STEPS):
@@ -115,7 +117,8 @@ def _scenarios(world_kinds):
         # one bucket for the low-precision ring: the reference quantises the whole model
         # as one chunk (MinMaxUInt8's min/max is per bucket)
         got = _run(algo, bucket_size=None if name.startswith("low_precision") else 300,
-                   do_flatten=not name.endswith("unflattened"))
+                   do_flatten=not name.endswith("unflattened"),
+                   eval_mode=name.endswith("eval_mode"))
         out[name] = (got, ref())
     return out
 
@@ -126,6 +129,7 @@ def _two_rank_cases():
         ("all_interval2", Decentralized(hierarchical=False, communication_interval=2),
          lambda: reference_dpsgd("all", 2)),
         ("all_unflattened", Decentralized(hierarchical=False), lambda: reference_dpsgd("all", 1)),
+        ("all_eval_mode", Decentralized(hierarchical=False), lambda: reference_dpsgd("all", 1)),
         ("shift_one", Decentralized(hierarchical=False, peer_selection_mode="shift_one"),
          lambda: reference_dpsgd("shift_one", 1)),
         ("low_precision", LowPrecisionDecentralized(hierarchical=False),
@@ -142,8 +146,8 @@ def two_ranks():
     return run_ranks(_two_ranks, 2, timeout=240)
 
 
-@pytest.mark.parametrize("case", ["all", "all_interval2", "all_unflattened", "shift_one",
-                                  "low_precision"])
+@pytest.mark.parametrize("case", ["all", "all_interval2", "all_unflattened", "all_eval_mode",
+                                  "shift_one", "low_precision"])
 def test_matches_reference_update_rule(two_ranks, case):
     for rank_results in two_ranks:
         (got, before, after, flat), ref = rank_results[case]

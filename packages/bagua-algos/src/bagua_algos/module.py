@@ -328,7 +328,9 @@ class BaguaModule(torch.nn.Module):
 
     def _forward_pre(self, _module, _inputs) -> None:
         grad = torch.is_grad_enabled()
-        step = self.training and grad and self._sync
+        # a step is any synchronised forward with autograd on, in train or eval mode (DDP's
+        # rule: fine-tuning with the whole model in eval mode communicates as in train mode)
+        step = grad and self._sync
         buffers = self._buffers_due and bool(self._sync_buffers)
         self._buffers_due = grad and self._sync
         if not (step or buffers):
@@ -670,7 +672,7 @@ class BaguaModule(torch.nn.Module):
     # -- user API -------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         out = self.module(*args, **kwargs)
-        if self._sync and self.training and torch.is_grad_enabled():
+        if self._sync and torch.is_grad_enabled():
             _eager(self._hook_outputs, out)
         return out
 

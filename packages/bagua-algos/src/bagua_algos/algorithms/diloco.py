@@ -271,14 +271,35 @@ class DiLoCoImpl(AlgorithmImpl):
         for a in self.anchors:
             a.grad = None
         anchor.grad = s.delta.to(self.anchor_device)
+        kept = self._frozen_slices(fragment, anchor)
         self.outer.step()
         anchor.grad = None
+        for at, n, old, m in kept:
+            # a parameter frozen after the wrap takes no outer step (SGD skips a tensor without
+            # a gradient; DDP leaves it alone): its momentum stays; it takes the ranks'
+            # average (anchor - delta, LocalSGD's), so that ranks agree, then never moves
+            anchor[at:at + n].copy_(old.sub_(s.delta[at:at + n].to(old.device)))
+            buf = self.outer.state[anchor].get("momentum_buffer")
+            if buf is not None:
+                buf[at:at + n].copy_(m) if m is not None else buf[at:at + n].zero_()
         new = anchor.to(self.device)
         if s.start is not None:       # keep the inner steps made while the sync was in flight
             new = self.gather(fragment).add_(new).sub_(s.start)
         self.scatter(fragment, new)
         if fragment == self.P - 1:
             self.average_buffers()
+
+    def _frozen_slices(self, fragment: int, anchor: torch.Tensor) -> list:
+        """(position, length, anchor values, outer momentum) of the fragment's parameters that
+        require no gradient now, before the outer step."""
+        out = []
+        buf = self.outer.state.get(anchor, {}).get("momentum_buffer")
+        for p, a, z, at in self.pieces(fragment):
+            if not p.requires_grad:
+                n = z - a
+                out.append((at, n, anchor[at:at + n].clone(),
+                            None if buf is None else buf[at:at + n].clone()))
+        return out
 
     def average_buffers(self) -> None:
         if self.group.size == 1 or not self.buffers:
