@@ -194,7 +194,13 @@ def test_bad_input_raises_naming_the_argument_before_any_communication(results):
                          ({"fragments": 0}, "fragments"),
                          ({"outer_momentum": 1.0}, "outer_momentum"),
                          ({"compressor": "int8"}, "compressor"),
-                         ({"anchor_device": "nowhere"}, "anchor_device")):
+                         ({"anchor_device": "nowhere"}, "anchor_device"),
+                         # once accepted: inf trained the weights to +-inf; 'meta' (and
+                         # 'cuda' without CUDA) failed with a raw error after communicating
+                         ({"outer_lr": float("inf")}, "outer_lr must be a number > 0 and < inf"),
+                         ({"anchor_device": "meta"}, "'cpu' or 'cuda'"),
+                         *([({"anchor_device": "cuda"}, "anchor_device=cuda is not available")]
+                           if not torch.cuda.is_available() else [])):
         with pytest.raises(ValueError, match=word):
             DiLoCo(**kwargs)
     with pytest.raises(ValueError, match="sync_every"):

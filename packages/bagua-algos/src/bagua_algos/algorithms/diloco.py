@@ -19,6 +19,7 @@ at t + τ, ``θ_i ← θ_i(t + τ) + (θ_a_new - θ_i(t))`` (with τ = 0 this is
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
@@ -83,7 +84,7 @@ class DiLoCo(Algorithm, name="diloco"):
                  nesterov: bool = True, fragments: int = 1, overlap_steps: int = 0,
                  compressor=None, hierarchical: bool = False, *, anchor_device=None):
         check_int_at_least("sync_every", sync_every, 1)
-        _check_number("outer_lr", outer_lr, 0, low_open=True)
+        _check_number("outer_lr", outer_lr, 0, math.inf, low_open=True)
         _check_number("outer_momentum", outer_momentum, 0, 1)
         check_bool("nesterov", nesterov)
         if nesterov and outer_momentum == 0:
@@ -101,6 +102,17 @@ class DiLoCo(Algorithm, name="diloco"):
             except (RuntimeError, TypeError) as err:
                 raise ValueError(f"anchor_device must be None or a torch device such as 'cpu', "
                                  f"got {anchor_device!r}") from err
+            if anchor_device.type not in ("cpu", "cuda"):
+                raise ValueError(f"anchor_device must be a 'cpu' or 'cuda' device (the anchor "
+                                 f"holds real values), got {anchor_device}")
+            if anchor_device.type == "cuda" and not (
+                    torch.cuda.is_available() and (anchor_device.index is None
+                                                   or anchor_device.index
+                                                   < torch.cuda.device_count())):
+                raise ValueError(f"anchor_device={anchor_device} is not available here "
+                                 f"(torch.cuda.is_available() is "
+                                 f"{torch.cuda.is_available()}, "
+                                 f"{torch.cuda.device_count()} devices)")
         self.sync_every = sync_every
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
@@ -335,7 +347,13 @@ class DiLoCoImpl(AlgorithmImpl):
 
     def state_dict(self):
         self.finish()
+        # A fragment that has not synced yet has no momentum buffer: saved as zeros, which
+        # the outer SGD's first step treats exactly as none (0 x momentum + delta = delta).
+        # (Before, one missing buffer dropped every fragment's momentum from the checkpoint.)
         momentum = [self.outer.state.get(a, {}).get("momentum_buffer") for a in self.anchors]
+        if self.algo.outer_momentum and any(m is not None for m in momentum):
+            momentum = [torch.zeros_like(a) if m is None else m
+                        for a, m in zip(self.anchors, momentum)]
         pending = {f: {"apply_at": s.apply_at, "delta": s.delta.cpu().clone(),
                        "start": None if s.start is None else s.start.cpu().clone()}
                    for f, s in self.pending.items()}
