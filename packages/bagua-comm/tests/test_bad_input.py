@@ -27,6 +27,11 @@ def _cases():
         (lambda: bc.allreduce_inplace(i, op=Op.AVG), "AVG needs a floating-point"),
         (lambda: bc.allreduce_inplace(f, op=Op.BXOR), "BXOR needs an integer"),
         (lambda: bc.allreduce_inplace(f, op=42), "op must be a bagua_comm.ReduceOp"),
+        # numbers and bools once became the operator of that value (True: PRODUCT)
+        (lambda: bc.allreduce_inplace(f, op=True), "op must be a bagua_comm.ReduceOp"),
+        (lambda: bc.allreduce_inplace(f, op=1.0), "op must be a bagua_comm.ReduceOp"),
+        (lambda: bc.allreduce_inplace(f, op=1), "op must be a bagua_comm.ReduceOp"),
+        (lambda: bc.compressed_allreduce(f, f, op=0.0), "op must be a bagua_comm.ReduceOp"),
         (lambda: bc.allgather(f, torch.ones(4)), "2 x send.numel()"),
         (lambda: bc.reduce_scatter(f, torch.ones(4)), "send.numel() / 2"),
         (lambda: bc.reduce_scatter_inplace(torch.ones(3)), "divisible by the group size"),
@@ -107,6 +112,25 @@ def test_bad_input_names_the_argument_and_leaves_the_group_usable():
         assert x == [3.0, 6.0] and y == [3.0, 6.0, 3.0, 6.0]
 
 
+def _torch_ops():
+    import torch.distributed as dist
+
+    out = {}
+    for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX"):
+        x = torch.tensor([2.0, 3.0, 6.0]) if bc.get_rank() == 0 else torch.tensor([5.0, 3.0, 4.0])
+        bc.allreduce_inplace(x, op=getattr(dist.ReduceOp, name))
+        out[name] = x.tolist()
+    return out
+
+
+def test_torch_distributed_ops_mean_the_op_of_the_same_name():
+    """torch numbers its ops differently (its AVG is 1, our PRODUCT): dist.ReduceOp.AVG once
+    reduced with PRODUCT, MIN with MAX."""
+    for out in run_ranks(_torch_ops, 2):
+        assert out == {"SUM": [7, 6, 10], "AVG": [3.5, 3, 5], "PRODUCT": [10, 9, 24],
+                       "MIN": [2, 3, 4], "MAX": [5, 3, 6]}
+
+
 def test_use_before_init_is_a_runtime_error():
     assert not bc.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
@@ -128,3 +152,53 @@ def test_init_arguments_are_checked():
             "    except ValueError as e:\n        assert needle in str(e), e\n"
             "    else:\n        raise SystemExit('no error')\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _objects():
+    import threading
+
+    rank = bc.get_rank()
+    got = bc.broadcast_object({"from": rank}, src=1, async_op=True)
+    out = {"async": (got.is_completed(), got.wait())}
+    try:       # an unpicklable object on the source: every rank raises, nobody waits
+        bc.broadcast_object(threading.Lock() if rank == 0 else None, src=0)
+    except ValueError as err:
+        out["unpicklable"] = str(err)
+    out["after"] = bc.broadcast_object(rank + 10, src=0)      # the group still works
+    return out
+
+
+def test_broadcast_object_async_handle_and_unpicklable_source():
+    for out in run_ranks(_objects, 2):
+        assert out["async"] == (True, {"from": 1})
+        assert "obj on rank 0 cannot be pickled" in out["unpicklable"]
+        assert out["after"] == 10
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(rank=0.0, world_size=1), "rank must be an int, got 0.0"),
+    (dict(rank="0", world_size=1), "rank must be an int"),
+    (dict(rank=0, world_size=1.0), "world_size must be an int"),
+    (dict(rank=0, world_size=1, local_world_size=True), "local_world_size must be an int"),
+    (dict(rank=0, world_size=1, store="x"), "store must be a torch.distributed.Store"),
+])
+def test_init_argument_types_are_checked_before_joining(kw, needle, tmp_path):
+    """Floats and bools were accepted (get_local_size() then returned 1.0 or True) or failed
+    inside torch's store constructor with a pybind TypeError."""
+    import torch.distributed as dist
+
+    kw.setdefault("store", dist.FileStore(str(tmp_path / "s"), 1))
+    with pytest.raises(ValueError, match=needle):
+        bc.init_process_group("gloo", **kw)
+    assert not bc.is_initialized() and not dist.is_initialized()
+
+
+def test_a_malformed_launcher_variable_is_named(monkeypatch, tmp_path):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "abc")
+    with pytest.raises(ValueError, match="environment variable LOCAL_WORLD_SIZE must be an "
+                                         "integer"):
+        bc.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0,
+                              world_size=1)
+    assert not bc.is_initialized() and not dist.is_initialized()

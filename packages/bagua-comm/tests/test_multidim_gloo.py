@@ -67,3 +67,44 @@ def test_multidim_buffers_match_flat_reference():
         torch.testing.assert_close(out["alltoall"],
                                    torch.stack([_mine(r, (world, N))[rank]
                                                 for r in range(world)]), rtol=0, atol=0)
+
+
+def _inplace_multidim():
+    """The ``*_inplace`` primitives and alltoall_v count elements, whatever the shape (they
+    sliced dimension 0: gather_inplace wrote wrong values, scatter_inplace left a peer
+    hanging, allgather_inplace refused valid input, alltoall_v raised from torch)."""
+    rank = bc.get_rank()
+    out = {}
+    x = _mine(rank, (4, 2))
+    bc.gather_inplace(x, 2, 0)                 # 2 elements per rank, not 2 rows
+    out["gather_inplace"] = x.reshape(-1)
+    x = _mine(rank, (2, 4))
+    bc.scatter_inplace(x, 2, 0)
+    out["scatter_inplace"] = x.reshape(-1)
+    x = _mine(rank, (3, 2))
+    bc.allgather_inplace(x)
+    out["allgather_inplace"] = x.reshape(-1)
+    x = _mine(rank, (1, 4))
+    bc.reduce_scatter_inplace(x)
+    out["reduce_scatter_inplace"] = x.reshape(-1)
+    # rank 0 keeps 1 element and sends 3; rank 1 sends 3 and keeps 1
+    counts, displs = ([1, 3], [0, 1]) if rank == 0 else ([3, 1], [0, 3])
+    y = torch.zeros(2, 2)
+    bc.alltoall_v(_mine(rank, (2, 2)), counts, displs, y, counts, displs)
+    out["alltoall_v"] = y.reshape(-1)
+    return out
+
+
+def test_inplace_primitives_and_alltoall_v_count_elements_whatever_the_shape():
+    r0, r1 = run_ranks(_inplace_multidim, 2, timeout=60)
+    flat = [_mine(r, (8,)) for r in range(2)]
+    assert r0["gather_inplace"].tolist() == [0, 1, 102, 103, 4, 5, 6, 7]
+    assert r1["gather_inplace"].tolist() == flat[1].tolist()          # not the root
+    assert r0["scatter_inplace"].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert r1["scatter_inplace"].tolist() == [100, 101, 2, 3, 104, 105, 106, 107]
+    for r in (r0, r1):
+        assert r["allgather_inplace"].tolist() == [0, 1, 2, 103, 104, 105]
+    assert r0["reduce_scatter_inplace"].tolist() == [100, 102, 2, 3]
+    assert r1["reduce_scatter_inplace"].tolist() == [100, 101, 104, 106]
+    assert r0["alltoall_v"].tolist() == [0, 100, 101, 102]
+    assert r1["alltoall_v"].tolist() == [1, 2, 3, 103]

@@ -27,7 +27,7 @@ import torch
 from . import _validate as V
 from . import traffic
 from .compression import Compressor, MinMaxUInt8
-from .ops import ReduceOp, reduce_rows
+from .ops import ReduceOp, as_op, reduce_rows
 from .work import finish
 
 _OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN, ReduceOp.MAX)
@@ -55,10 +55,7 @@ def compressed_allreduce(send, recv, op=ReduceOp.AVG, compressor=None, *, key="a
     if send.dtype not in _FLOATS:
         raise ValueError(f"compressed_allreduce needs float32, float16 or bfloat16 tensors, "
                          f"got {send.dtype}")
-    try:
-        op = ReduceOp(op)
-    except ValueError as err:
-        raise ValueError(f"op must be a bagua_comm.ReduceOp, got {op!r}") from err
+    op = as_op(op)
     if op not in _OPS:
         raise ValueError(f"compressed_allreduce supports op SUM, AVG, MIN or MAX, got {op.name}")
     if compressor is None:

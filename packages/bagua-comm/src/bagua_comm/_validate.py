@@ -11,7 +11,7 @@ import operator
 
 import torch
 
-from .ops import ReduceOp
+from .ops import ReduceOp, as_op
 from .process_group import ProcessGroup, _state, get_default_group
 
 _NCCL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
@@ -101,11 +101,7 @@ def rank(name: str, r, g: ProcessGroup, *, not_self=False) -> int:
 
 
 def op(o, dtype: torch.dtype) -> ReduceOp:
-    if o.__class__ is not ReduceOp:
-        try:
-            o = ReduceOp(o)
-        except ValueError as err:
-            raise ValueError(f"op must be a bagua_comm.ReduceOp, got {o!r}") from err
+    o = as_op(o)
     if o is ReduceOp.AVG and not dtype.is_floating_point:
         raise ValueError(f"op=ReduceOp.AVG needs a floating-point tensor, got {dtype}")
     if o in _BITWISE and (dtype.is_floating_point or dtype.is_complex):

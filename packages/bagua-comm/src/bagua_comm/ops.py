@@ -30,6 +30,20 @@ _TORCH = {
 }
 
 
+def as_op(o) -> ReduceOp:
+    """``o`` as a :class:`ReduceOp`: one of its members, or torch.distributed's op of the same
+    name (``dist.ReduceOp.AVG``); ``ValueError`` for anything else.  Plain numbers, bools and
+    torch's ops are not read as enum values (torch numbers them differently: its AVG is our
+    PRODUCT's 1), which once reduced with another operator than asked."""
+    if isinstance(o, ReduceOp):
+        return o
+    name = getattr(o, "name", None)
+    if isinstance(o, (dist.ReduceOp, dist.ReduceOp.RedOpType)) and name in ReduceOp.__members__:
+        return ReduceOp[name]
+    raise ValueError(f"op must be a bagua_comm.ReduceOp (SUM PRODUCT MIN MAX AVG BAND BOR BXOR) "
+                     f"or torch.distributed.ReduceOp of those names, got {o!r}")
+
+
 def to_torch(op: ReduceOp):
     """torch.distributed's op; AVG maps to SUM (the caller divides afterwards)."""
     op = ReduceOp(op)

@@ -17,6 +17,7 @@ import torch
 from . import _validate as V
 from . import traffic
 from .ops import ReduceOp
+from .work import Work
 
 
 def _data(t):
@@ -104,21 +105,46 @@ def broadcast(tensor, src=0, *, group=None, async_op=False):
 
 
 def broadcast_object(obj, src=0, *, group=None, async_op=False):
-    """Rank ``src``'s picklable ``obj``, returned on every rank (always synchronous)."""
+    """Rank ``src``'s picklable ``obj``, returned on every rank.  It runs synchronously; with
+    ``async_op=True`` the result comes as a completed handle whose ``wait()`` returns it.
+    An ``obj`` that does not pickle raises ValueError on every rank (the source tells the
+    others instead of leaving them waiting)."""
     g = V.group(group)
     src = V.rank("src", src, g)
     if g.size == 1:
-        return obj
+        return _ObjectWork(obj) if async_op else obj
     # Through the group's own gloo backend (not torch's broadcast_object_list, which needs a
     # group registered in torch's world: a reconfigured torchft group is not).
-    payload = (torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-               if g.rank == src else None)
-    size = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
+    payload, error = None, None
+    if g.rank == src:
+        try:
+            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        except Exception as err:       # pickle raises TypeError, AttributeError, ...
+            error = err
+    size = torch.tensor([-1 if error is not None else 0 if payload is None else payload.numel()],
+                        dtype=torch.int64)
     g._gloo.broadcast(size, src, False)
+    if int(size[0]) < 0:
+        raise ValueError(f"broadcast_object: obj on rank {src} cannot be pickled "
+                         f"({type(error).__name__ if error else 'see that rank'}: {error or ''})"
+                         ) from error
     if payload is None:
         payload = torch.empty(int(size[0]), dtype=torch.uint8)
     g._gloo.broadcast(payload, src, False)
-    return obj if g.rank == src else pickle.loads(payload.numpy().tobytes())
+    out = obj if g.rank == src else pickle.loads(payload.numpy().tobytes())
+    return _ObjectWork(out) if async_op else out
+
+
+class _ObjectWork(Work):
+    """A completed handle whose ``wait()`` returns the broadcast object."""
+
+    def __init__(self, value):
+        super().__init__()
+        self._done = True
+        self.value = value
+
+    def wait(self):
+        return self.value
 
 
 # -- reduce --------------------------------------------------------------------------------
@@ -192,7 +218,7 @@ def allgather_inplace(tensor, *, group=None, async_op=False):
     g = V.group(group)
     V.tensor("tensor", tensor, g)
     V.divisible("tensor", tensor, g)
-    tensor = _data(tensor)
+    tensor = _data(tensor).view(-1)   # parts are counted in elements, whatever the shape
     mine = tensor.chunk(g.size)[g.rank].clone()
     return allgather(mine, tensor, group=g, async_op=async_op)
 
@@ -218,7 +244,7 @@ def gather_inplace(tensor, count, dst, *, group=None, async_op=False):
     g = V.group(group)
     V.tensor("tensor", tensor, g)
     count = V.count(tensor, count, g)
-    tensor = _data(tensor)
+    tensor = _data(tensor).view(-1)   # ``count`` is in elements, whatever the shape
     send_ = tensor[g.rank * count:(g.rank + 1) * count].clone()
     return gather(send_, tensor[:count * g.size], dst, group=g, async_op=async_op)
 
@@ -243,7 +269,7 @@ def scatter_inplace(tensor, count, src, *, group=None, async_op=False):
     g = V.group(group)
     V.tensor("tensor", tensor, g)
     count = V.count(tensor, count, g)
-    tensor = _data(tensor)
+    tensor = _data(tensor).view(-1)   # ``count`` is in elements, whatever the shape
     out = tensor[g.rank * count:(g.rank + 1) * count]
     send_ = tensor[:count * g.size].clone() if g.rank == src else None
     return scatter(send_, out, src, group=g, async_op=async_op)
@@ -265,7 +291,7 @@ def reduce_scatter_inplace(tensor, op=ReduceOp.SUM, *, group=None, async_op=Fals
     g = V.group(group)
     V.tensor("tensor", tensor, g)
     V.divisible("tensor", tensor, g)
-    tensor = _data(tensor)
+    tensor = _data(tensor).view(-1)   # parts are counted in elements, whatever the shape
     out = tensor.chunk(g.size)[g.rank]
     return reduce_scatter(tensor.clone(), out, op, group=g, async_op=async_op)
 
@@ -304,7 +330,7 @@ def alltoall_v(send, send_counts, send_displs, recv, recv_counts, recv_displs, *
     send_counts, send_displs = V.counts_displs("send", send_counts, send_displs, send, g)
     recv_counts, recv_displs = V.counts_displs("recv", recv_counts, recv_displs, recv, g)
     V.self_count(send_counts, recv_counts, g)
-    recv = _data(recv)
+    send, recv = send.view(-1), _data(recv).view(-1)   # counts and displacements in elements
     traffic.record("alltoall_v", (sum(send_counts) - send_counts[g.rank]) * send.element_size())
     return g.backend_for(send).alltoall_v(send, send_counts, send_displs, recv, recv_counts,
                                                recv_displs, async_op)

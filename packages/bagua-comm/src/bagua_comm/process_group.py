@@ -236,6 +236,14 @@ def _shared_store_hazard(environ=None) -> str | None:
     return SHARED_STORE_WARNING.format(restarts=restarts) if restarts > 0 else None
 
 
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ[name])
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer (as torchrun sets "
+                         f"it), got {os.environ[name]!r}") from None
+
+
 def init_process_group(backend: str = "auto", *, store=None, rank=None, world_size=None,
                        local_world_size=None, timeout=_DEFAULT_TIMEOUT) -> None:
     """Join the job: from torchrun's environment, or from an explicit store/rank/world size.
@@ -265,10 +273,17 @@ def init_process_group(backend: str = "auto", *, store=None, rank=None, world_si
     backend = _resolve_backend(backend)
     if store is not None and (rank is None or world_size is None):
         raise ValueError("with store=..., pass rank= and world_size= too")
+    if store is not None and not isinstance(store, dist.Store):
+        raise ValueError(f"store must be a torch.distributed.Store (e.g. TCPStore, FileStore), "
+                         f"got {type(store).__name__}")
+    for name, v in (("rank", rank), ("world_size", world_size),
+                    ("local_world_size", local_world_size)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"{name} must be an int, got {v!r}")
     if adopt:
         rank, world_size = dist.get_rank(), dist.get_world_size()
-    rank = int(os.environ["RANK"]) if rank is None and "RANK" in os.environ else rank
-    world_size = (int(os.environ["WORLD_SIZE"]) if world_size is None and "WORLD_SIZE" in os.environ
+    rank = _env_int("RANK") if rank is None and "RANK" in os.environ else rank
+    world_size = (_env_int("WORLD_SIZE") if world_size is None and "WORLD_SIZE" in os.environ
                   else world_size)
     if (rank is None or world_size is None) and store is None:
         raise RuntimeError("cannot find rank/world size: launch with torchrun, pass "
@@ -279,7 +294,8 @@ def init_process_group(backend: str = "auto", *, store=None, rank=None, world_si
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     if local_world_size is None:
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        local_world_size = (_env_int("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ
+                            else world_size)
     if local_world_size < 1 or world_size % local_world_size:
         raise ValueError(f"local_world_size must divide world_size={world_size}, "
                          f"got {local_world_size}")
