@@ -168,3 +168,37 @@ def _qadam_group_added_later():
 def test_qadam_refuses_a_param_group_added_after_wrapping():
     for message in run_ranks(_qadam_group_added_later, 2, timeout=120):
         assert message is not None and "add_param_group() after with_bagua" in message
+
+
+# -- complex tensors; a dtype changed after wrapping --------------------------------------------
+@pytest.mark.parametrize("what", ["parameter", "buffer"])
+def test_complex_tensors_are_refused_naming_them(what):
+    """They failed inside bagua_comm's broadcast ("carries float32, ... cast it first (e.g.
+    .float())", advice that drops the imaginary part), naming neither tensor nor with_bagua."""
+    model = torch.nn.Linear(3, 2)
+    if what == "parameter":
+        model.z = torch.nn.Parameter(torch.zeros(2, dtype=torch.cfloat))
+    else:
+        model.register_buffer("z", torch.zeros(2, dtype=torch.cfloat))
+    for algo in (GradientAllReduce, Decentralized, DiLoCo):
+        with pytest.raises(ValueError, match=r"model: \['z'\] are complex tensors.*view_as_real"):
+            _wrap(model, algo)
+
+
+def _cast_after_wrap():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    net = with_bagua(model, [torch.optim.SGD(model.parameters(), lr=0.1)], GradientAllReduce())
+    model.double()
+    try:
+        net(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_a_dtype_changed_after_wrapping_is_named():
+    """It was torch's "attempting to assign a gradient with dtype 'float' to a tensor with
+    grad_dtype 'Double'" from inside the bucket code."""
+    for message in run_ranks(_cast_after_wrap, 2, timeout=120):
+        assert message is not None and "is torch.float64 on cpu but was torch.float32" in message
+        assert "cast or move the model before wrapping it" in message

@@ -29,13 +29,21 @@ def check_bucket_size(bucket_size, name: str = "bucket_size") -> int:
 
 def check_model(model, algorithm) -> None:
     """What :func:`with_bagua` can tell from the model alone, on every rank before any
-    communication: sparse gradients under an algorithm of dense gradient buckets, and
-    parameters a compressing algorithm cannot quantise.  ``ValueError`` names them."""
+    communication: complex parameters or buffers, sparse gradients under an algorithm of
+    dense gradient buckets, and parameters a compressing algorithm cannot quantise.
+    ``ValueError`` names them."""
     import torch
 
     from bagua_comm._compressed import _FLOATS  # the dtypes compressed_allreduce takes
 
     owner = type(algorithm).__name__
+    complex_ = [name for name, t in [*model.named_parameters(), *model.named_buffers()]
+                if t.is_complex()]
+    if complex_:
+        raise ValueError(
+            f"model: {complex_[:4]}{' ...' if len(complex_) > 4 else ''} are complex tensors, "
+            f"which bagua does not communicate. Keep them real with a trailing dimension of 2 "
+            f"(torch.view_as_real) and take torch.view_as_complex of them in forward")
     if algorithm.dense_gradients:
         sparse = [name for name, m in model.named_modules()
                   if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))

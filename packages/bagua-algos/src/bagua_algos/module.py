@@ -480,12 +480,28 @@ class BaguaModule(torch.nn.Module):
             self._next += 1
             if not self.impl.uses_grad_buckets:
                 continue
-            b.gather_grads(self.impl.grad_divisor(b))
+            try:
+                b.gather_grads(self.impl.grad_divisor(b))
+            except RuntimeError as err:
+                raise self._dtype_changed(b) or err
             if b.flags is not None:     # the last bucket: every rank knows its flags now
                 self._carried = self.impl.carries_unused_flags(self.ctx)
                 if self._carried:
                     self._local_flags(b.flags)
             self._handles.append((b, self._start_bucket(b)))
+
+    def _dtype_changed(self, bucket) -> RuntimeError | None:
+        """The error to raise when a bucket's parameters changed dtype or device after the
+        wrap (``model.double()``, ``model.to(...)``), else None."""
+        names = {id(p): n for n, p in self.ctx.module.named_parameters()}
+        for p in bucket.params:
+            if p.dtype != bucket.dtype or p.device != bucket.device:
+                return RuntimeError(
+                    f"parameter {names.get(id(p), '?')!r} is {p.dtype} on {p.device} but was "
+                    f"{bucket.dtype} on {bucket.device} at with_bagua: changing parameters' "
+                    f"dtype or device after with_bagua (model.to(), .double(), .half()) is not "
+                    f"supported; cast or move the model before wrapping it")
+        return None
 
     def _start_bucket(self, bucket):
         """The algorithm's communication of a ready bucket: its handle (or None)."""
