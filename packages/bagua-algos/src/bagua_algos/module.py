@@ -483,7 +483,10 @@ class BaguaModule(torch.nn.Module):
             try:
                 b.gather_grads(self.impl.grad_divisor(b))
             except RuntimeError as err:
-                raise self._dtype_changed(b) or err
+                changed = self._dtype_changed(b)
+                if changed is None:
+                    raise
+                raise changed from err
             if b.flags is not None:     # the last bucket: every rank knows its flags now
                 self._carried = self.impl.carries_unused_flags(self.ctx)
                 if self._carried:
