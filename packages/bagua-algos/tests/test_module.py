@@ -139,12 +139,18 @@ def _contract():
     out["before"] = before
     out["trained"] = params(model)
     out["hooks"] = len(model._hooks)
-    # Overlap: buckets launch in order while backward still runs (first layer not done).
+    # Overlap: buckets launch in order while backward still runs (first layer not done),
+    # from the second backward on (the first launches at its end: it learns how many times
+    # each gradient accumulates, as DDP's static_graph, and the bucket order)
     probe = make_model(seed=1)
     probe_opt = torch.optim.SGD(probe.parameters(), lr=0.1)
     probe = with_bagua(probe, [probe_opt], _Probe(), bucket_size=200)
-    probe_opt.zero_grad(set_to_none=True)
-    loss_fn(probe, *batch(0, rank)).backward()
+    for step in range(2):
+        probe_opt.zero_grad(set_to_none=True)
+        probe.impl.seen = []
+        loss_fn(probe, *batch(step, rank)).backward()
+        if step == 0:
+            out["first_launches"] = probe.impl.seen
     out["launches"] = (probe.impl.seen, len(probe.buckets))
     # A third wrap, as users do when moving to decentralized training, still works.
     model = with_bagua(model, [sgd], Decentralized(hierarchical=False))
@@ -188,6 +194,7 @@ def test_buckets_launch_in_order_during_backward(contract):
         seen, n = r["launches"]
         assert [i for i, _ in seen] == list(range(n)) and n > 2
         assert not seen[0][1]          # the first bucket left before backward reached layer 1
+        assert all(done for _, done in r["first_launches"])    # the first backward: at its end
 
 
 def test_state_of_another_algorithm_restores_the_step_counter_with_a_warning(contract):
