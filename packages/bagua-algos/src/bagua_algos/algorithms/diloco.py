@@ -19,6 +19,7 @@ at t + τ, ``θ_i ← θ_i(t + τ) + (θ_a_new - θ_i(t))`` (with τ = 0 this is
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 
 import torch
@@ -390,7 +391,14 @@ class DiLoCoImpl(AlgorithmImpl):
         for k in self.counts_of:
             self.counts_of[k] = self.steps
         if with_compressor and "compressor" in state and self.compressor is not None:
-            self.compressor.load_state_dict(state["compressor"])
+            if state.get("fragments") == self.P:
+                self.compressor.load_state_dict(state["compressor"])
+            elif state["compressor"].get("residuals"):
+                # residuals are kept per fragment: another split has other sizes
+                logging.getLogger(__name__).warning(
+                    "bagua DiLoCo: the checkpoint has fragments=%s, this run %s: the outer "
+                    "gradient's error-feedback residuals restart at zero",
+                    state.get("fragments"), self.P)
 
     def load_foreign_state_dict(self, state, *, world_size, rank):
         # Anchor, momentum, step counter and the averaged outer gradients in flight are the
