@@ -50,7 +50,8 @@ typedef struct {
   int fd;
   int proved;        /* a complete, valid hello with the right secret */
   size_t got;
-  uint64_t since_ms; /* when accept() took it */
+  uint64_t since_ms; /* when accept() took it: the greeting timeout runs from here */
+  uint64_t arrival;  /* the order accept() took it in (one call takes many in the same ms) */
   bn_hello_t hello;
   char peer[64];
 } bn_pending_t;
@@ -59,7 +60,8 @@ typedef struct {
   int fd;
   int dev;
   int npending, cap;
-  bn_pending_t *pending;
+  bn_pending_t *pending; /* in no particular order: removing one moves the last into its place */
+  uint64_t arrivals;     /* connections taken so far: the next one's arrival number */
   uint8_t secret[BN_SECRET_BYTES];
   uint64_t recent_ids[BN_RECENT_IDS];
   int nrecent;
@@ -179,13 +181,14 @@ static void drop_pending(bn_listen_t *l, int i, const char *fmt, ...) {
   remove_pending(l, i);
 }
 
-/* Shed the connection that has waited longest for its greeting; 0 if there is none. */
+/* Shed the connection that has waited longest for its greeting (the first taken of those that
+ * have not proved the secret); 0 if there is none. */
 static int shed_oldest(bn_listen_t *l, const char *why) {
   int oldest = -1, waiting = 0;
   for (int i = 0; i < l->npending; i++) {
     if (l->pending[i].proved) continue;
     waiting++;
-    if (oldest < 0 || l->pending[i].since_ms < l->pending[oldest].since_ms) oldest = i;
+    if (oldest < 0 || l->pending[i].arrival < l->pending[oldest].arrival) oldest = i;
   }
   if (oldest < 0) return 0;
   drop_pending(l, oldest, "%s; it is the oldest of %d that have not greeted", why, waiting);
@@ -271,6 +274,7 @@ static int add_pending(bn_listen_t *l, int fd, const bn_addr_t *addr, uint64_t n
   memset(p, 0, sizeof(*p));
   p->fd = fd;
   p->since_ms = now;
+  p->arrival = l->arrivals++;
   if (bn_format_addr(&addr->sa, p->peer, sizeof(p->peer)) <= 0)
     snprintf(p->peer, sizeof(p->peer), "?");
   return 0;
