@@ -20,6 +20,8 @@
  *
  * A failure on any stream (peer gone, reset, bad header) marks the whole comm failed: pending
  * and later requests report it through test()'s return code, and the logger names the cause.
+ * A receiving comm reports it only once no stream thread is still copying a payload, so no byte
+ * lands in a buffer after its request was reported failed.
  * The wire format is in host byte order (peers are the same architecture in practice). */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -67,6 +69,7 @@ struct bn_comm {
   size_t min_chunk;
   int closing;
   int ended;         /* recv: streams the sender closed in order */
+  int readers;       /* recv: threads reading a payload into a posted buffer, outside the lock */
   int error;         /* bn_result_t, set once (atomic) */
   int error_logged;
   char errmsg[256];
@@ -148,6 +151,24 @@ static int read_all(int fd, void *buf, size_t len) {
   return 0;
 }
 
+/* Read a chunk's payload into a posted buffer, stopping between reads once the comm has failed
+ * (its failure is reported only after every such reader has returned). 0, -1 on end of stream,
+ * ECANCELED when the comm failed, or an errno. */
+static int read_payload(bn_comm_t *c, int fd, char *dst, size_t len) {
+  while (len > 0) {
+    if (__atomic_load_n(&c->error, __ATOMIC_ACQUIRE) != 0) return ECANCELED;
+    ssize_t n = recv(fd, dst, len, 0);
+    if (n == 0) return -1;
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    dst += n;
+    len -= (size_t)n;
+  }
+  return 0;
+}
+
 static const char *io_error(int rc) {
   return rc == -1 ? "connection closed by peer" : strerror(rc);
 }
@@ -162,8 +183,10 @@ static inline void chunk_range(uint64_t total, uint64_t n, uint64_t i, uint64_t 
 
 /* ---------------------------------------------------------------- comms --------------- */
 /* Mark the comm failed (first cause wins) and wake every thread. A receiving comm also shuts
- * its sockets down, so that no stream reads another byte into a posted buffer and the sender
- * learns of it. Caller holds comm->mu. */
+ * its sockets down, so that the sender learns of it and blocked readers wake; a reader copying
+ * a payload stops at its next read, and the failure is reported (report_error) only once none
+ * is left, so nothing lands in a buffer after test() said the request failed. Caller holds
+ * comm->mu. */
 static void comm_fail(bn_comm_t *c, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 static void comm_fail(bn_comm_t *c, int code, const char *fmt, ...) {
@@ -326,9 +349,11 @@ static void *recv_worker(void *p) {
     }
     *word |= bit; /* claimed: no other chunk may write this range, nor complete the message */
     char *dst = r->data + off;
+    c->readers++;
     pthread_mutex_unlock(&c->mu);
-    rc = len > 0 ? read_all(fd, dst, len) : 0;
+    rc = read_payload(c, fd, dst, len);
     pthread_mutex_lock(&c->mu);
+    c->readers--;
     if (rc != 0) {
       comm_fail(c, BN_REMOTE_ERROR, "receive from %s failed on stream %d: %s", c->peer, stream,
                 io_error(rc));
@@ -433,11 +458,18 @@ bn_result_t bn_dereg_mr(void *comm, void *mhandle) {
   return BN_OK;
 }
 
-/* The comm's failure, if any, logged once through NCCL's logger. */
+/* The comm's failure, if any, logged once through NCCL's logger. Not before every stream
+ * thread has stopped writing into posted buffers: until then the caller is told to wait (test()
+ * says not done, irecv() takes no request), so a buffer it frees or reuses after the error is
+ * never written. */
 static bn_result_t report_error(bn_comm_t *c) {
   int err = __atomic_load_n(&c->error, __ATOMIC_ACQUIRE);
   if (err == 0) return BN_OK;
   pthread_mutex_lock(&c->mu);
+  if (c->readers > 0) { /* they stop at their next read (the sockets are shut down) */
+    pthread_mutex_unlock(&c->mu);
+    return BN_OK;
+  }
   if (!c->error_logged) {
     c->error_logged = 1;
     BN_WARN("NET/BaguaNet: %s", c->errmsg);
