@@ -8,7 +8,8 @@
     nox -s build-bagua-net       sdist + wheel, installed into a fresh venv and imported
     nox -t ci                    everything CI runs (README's test command)
     nox -s docs                  the documentation site (mkdocs build --strict)
-    nox -s bench | demo | gpu    benchmarks, the main job, GPU tests (gpu is off by default)
+    nox -s bench | demo | gpu    benchmarks (benchmarks/*/), the main job, GPU tests (gpu is off
+                                 by default)
     nox -s lowest-bagua-data     the package's declared floors (``torch>=2.4`` -> ``torch==2.4``)
                                  as pip constraints, then its tests; ``nox -t lowest`` for all
                                  (not in CI: old torch on PyPI is a multi-GB CUDA build)
@@ -263,20 +264,43 @@ def _install_stack(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job, quick: torch DDP against every bagua algorithm on emulated networks."""
     _install_stack(session)
-    session.run("python", str(ROOT / "benchmarks" / "e2e.py"), "--quick",
+    session.run("python", str(ROOT / "benchmarks" / "e2e" / "e2e.py"), "--quick",
                 "--json", "out/e2e/quick.json", "--plot", "out/e2e/quick.png", *session.posargs)
+
+
+# benchmarks/: one folder per story (benchmarks/README.md); every script not starting with "_" in
+# these folders is an entry point.  gpu/ has its own kit (nox -s gpu, benchmarks/gpu/run.sh).
+BENCH_DIRS = ["micro", "e2e", "ft", "studies"]
+# Entry points without a --quick mode (the accuracy studies, autotune): nox's short arguments.
+BENCH_QUICK = {
+    "autotune.py": ["--bandwidths", "none", "--steps", "12"],
+    "diloco_digits.py": ["--seeds", "1"],
+    "qadam_digits.py": ["--seeds", "1"],
+    "sparse_digits.py": ["--seeds", "1", "--epochs", "2"],
+    "low_rank_vs_powersgd.py": ["--steps", "10"],
+}
+
+
+def bench_scripts() -> list[Path]:
+    """Every benchmark entry point, folder by folder (the top-level shims are not in the list)."""
+    return [p for d in BENCH_DIRS for p in sorted((ROOT / "benchmarks" / d).glob("*.py"))
+            if not p.name.startswith("_")]
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Every benchmark's --quick mode (benchmarks/*.py), each against the peer it measures."""
+    """Every benchmark's quick mode, folder by folder (benchmarks/README.md), each against its peer.
+
+    The entry points are the scripts in benchmarks/{micro,e2e,ft,studies}/ not starting with "_".
+    """
     _install_stack(session)
-    scripts = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+    scripts = bench_scripts()
     if not scripts:
-        session.error("no benchmarks/*.py found")
+        session.error(f"no entry points in benchmarks/{{{','.join(BENCH_DIRS)}}}/")
     for script in scripts:
-        session.log(f"== {script.name} --quick")
-        session.run("python", str(script), "--quick", *session.posargs)
+        quick = BENCH_QUICK.get(script.name, ["--quick"])
+        session.log(f"== {script.relative_to(ROOT)} {' '.join(quick)}")
+        session.run("python", str(script), *quick, *session.posargs)
 
 
 @nox.session(venv_params=["--system-site-packages"], default=False)

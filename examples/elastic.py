@@ -50,7 +50,7 @@ On one machine, as a quick try (kill one worker with ``kill -9`` and watch it re
         --checkpoint-dir /tmp/ckpt --steps 300 --step-sleep 0.05
 
 ``--events PATH`` appends one JSON line per event (start, step, checkpoint, error) so that a
-run across restarts can be analysed; ``benchmarks/elastic.py`` drives the full scenario
+run across restarts can be analysed; ``benchmarks/ft/elastic.py`` drives the full scenario
 (3 emulated hosts, one lost and brought back) and plots it.
 """
 

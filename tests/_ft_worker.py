@@ -1,4 +1,4 @@
-"""One replica of the fault-tolerance scenarios (tests/test_ft.py, benchmarks/ft.py).
+"""One replica of the fault-tolerance scenarios (tests/test_ft.py, benchmarks/ft/ft.py).
 
 Writes one JSON line per step to --log and, with --dump, torch.save files of its full state:
 ``sent-<step>.pt`` when it serves a joining peer, ``healed-<step>.pt`` right after it healed,

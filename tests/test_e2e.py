@@ -1,4 +1,5 @@
-"""benchmarks/e2e.py end to end, with a tiny configuration: the JSON has every number."""
+"""benchmarks/e2e/e2e.py end to end, with a tiny
+configuration: the JSON has every number."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.append(str(ROOT / "benchmarks"))
+import _paths  # noqa: E402,F401  (benchmarks/_paths.py: benchmarks/e2e on sys.path)
 
+# isort: split
 from _e2e_model import SIZES, MarkovText, lm_loss, make_model, num_params  # noqa: E402
 from _e2e_report import markdown  # noqa: E402
 from _e2e_rows import SYNC_ROWS, split_row  # noqa: E402
@@ -31,7 +34,7 @@ TINY = ["--quick", "--size", "tiny", "--steps", "4", "--warmup", "1", "--wall-se
 
 def _run(tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "e2e.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e.py"), *TINY,
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e" / "e2e.py"), *TINY,
                         "--json", str(out), "--plot", str(tmp_path / "e2e.png"),
                         "--workdir", str(tmp_path / "work"), "--testbed-name", f"e2t{os.getpid() % 100000}",
                         "--stall-seconds", "120", *extra],

@@ -1,4 +1,4 @@
-"""Elastic training end to end (benchmarks/elastic.py --quick): 3 emulated hosts under
+"""Elastic training end to end (benchmarks/ft/elastic.py --quick): 3 emulated hosts under
 ``torchrun --nnodes=2:3``, one lost mid-run and brought back (root only: network namespaces);
 and examples/elastic.py resuming at another world size on plain loopback."""
 
@@ -61,13 +61,13 @@ def test_example_resumes_at_another_world_size(tmp_path):
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(not OK or not WHY.startswith("root"), reason=f"needs root namespaces: {WHY}")
 def test_lose_a_host_and_grow_back(tmp_path):
-    """3 hosts under torchrun --nnodes=2:3 (benchmarks/elastic.py --quick: 70-120 s on a
+    """3 hosts under torchrun --nnodes=2:3 (benchmarks/ft/elastic.py --quick: 70-120 s on a
     2-core machine). Host 2 is lost mid-run: the survivors detect it within the timeout,
     restart at 2 and resume from the checkpoint; host 2 comes back: the job grows to 3 and
     resumes again, and finishes. No sample of a completed epoch is missed or repeated, and
     the loss is not set back."""
     out = tmp_path / "elastic"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "elastic.py"), "--quick",
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ft" / "elastic.py"), "--quick",
                         "--out", str(out), "--name", f"te{os.getpid() % 10000}"],
                        capture_output=True, text=True, timeout=360)
     logs = "".join(f"\n== host{i}.log\n" + (out / f"host{i}.log").read_text()[-2000:]

@@ -1,4 +1,4 @@
-"""benchmarks/tradeoff.py: the map built from an e2e report (synthetic runs; no network)."""
+"""benchmarks/e2e/tradeoff.py: the map built from an e2e report (synthetic runs; no network)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.append(str(ROOT / "benchmarks"))
+import _paths  # noqa: E402,F401  (benchmarks/_paths.py: benchmarks/e2e on sys.path)
 
+# isort: split
 from tradeoff import build_map, main  # noqa: E402
 
 
@@ -72,7 +74,7 @@ def test_quick_map_on_the_testbed_measures_latency_and_names_a_winner_per_cell(t
 
     out = tmp_path / "t.json"
     r = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "tradeoff.py"), "--quick",
+        [sys.executable, str(ROOT / "benchmarks" / "e2e" / "tradeoff.py"), "--quick",
          "--json", str(out), "--plot", str(tmp_path / "t.png"),
          "--algorithms", "ddp,decentralized_shift_one", "--steps", "3", "--wall-seconds", "0.5",
          "--workdir", str(tmp_path / "work"), "--testbed-name", f"tq{os.getpid() % 100000}",

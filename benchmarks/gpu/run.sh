@@ -94,7 +94,7 @@ for s in $steps; do
     algos)  run_step algos 600 $PY benchmarks/gpu/with_bagua.py $QUICK_FLAG ;;
     net)    run_step net 300 $PY benchmarks/gpu/net_plugin.py ;;
     bench)  "$0" minmax optim nccl algos net ;;
-    e2e)    run_step e2e 1800 $PY benchmarks/e2e.py --hosts 8 ${E2E_ARGS:-$QUICK_FLAG} \
+    e2e)    run_step e2e 1800 $PY benchmarks/e2e/e2e.py --hosts 8 ${E2E_ARGS:-$QUICK_FLAG} \
               --json "$LOGS/e2e.json" --plot "$LOGS/e2e.png" --workdir "/tmp/e2e-work" ;;
     *) echo "unknown step $s (setup tests minmax optim nccl algos net bench e2e)"; exit 2 ;;
   esac

@@ -72,7 +72,7 @@ def diloco_sync_every(comm_s: float, compute_s: float, overhead: float = 0.1, *,
     H >= comm / (overhead x compute).  With ``total_steps`` (the run's planned optimizer
     steps), H is capped so that the run holds at least ``min_syncs`` syncs (a run that never
     syncs is ``world`` separate runs).  Within [2, 512].  The main job's DiLoCo rows use this
-    same rule (benchmarks/_e2e_rows.py), with the row's time budget as ``total_steps``."""
+    same rule (benchmarks/e2e/_e2e_rows.py), with the row's time budget as ``total_steps``."""
     want = math.ceil(max(0.0, comm_s) / (overhead * max(compute_s, 1e-6)))
     if total_steps is not None:
         want = min(want, int(total_steps) // min_syncs)

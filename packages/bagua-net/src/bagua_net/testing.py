@@ -5,7 +5,7 @@ init, devices, getProperties, listen, connect/accept (retried until both return 
 non-blocking v6+ interface requires), regMr, isend/irecv, test, close. ``run_pair`` runs two
 functions in two spawned processes joined by a pipe (to pass the listen handle), with a hard
 timeout and the children's tracebacks reported. Used by the package's tests and by
-``benchmarks/net.py``; nothing here needs anything but the standard library.
+``benchmarks/micro/net.py``; nothing here needs anything but the standard library.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
 
     The frozen second moment can make training unstable after warmup where ``v`` is tiny
     (measured on sklearn's digits: 3 of 15 seeds diverged, 6 of 15 with the same frozen
-    variance and no compression at all, 0 with Adam; ``benchmarks/qadam_digits.py``). A longer
+    variance and no compression at all, 0 with Adam; ``benchmarks/studies/qadam_digits.py``). A longer
     ``warmup_steps``, a smaller ``lr`` or a larger ``eps`` make it safer.
     """
 

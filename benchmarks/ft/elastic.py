@@ -19,8 +19,8 @@ the loss across the events. Exits 1 if any target is missed (``failures``).
 
 Needs root (network namespaces); no ``sudo`` when already root::
 
-    python benchmarks/elastic.py            # ~2.5 minutes
-    python benchmarks/elastic.py --quick    # ~1.5 minutes (what tests/test_elastic.py runs)
+    python benchmarks/ft/elastic.py            # ~2.5 minutes
+    python benchmarks/ft/elastic.py --quick    # ~1.5 minutes (what tests/test_elastic.py runs)
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import _paths  # noqa: E402,F401  (testbed and benchmarks/e2e on sys.path)
 from testbed import Testbed, testbed_available  # noqa: E402
 
-EXAMPLE = HERE.parent / "examples" / "elastic.py"
+EXAMPLE = HERE.parents[1] / "examples" / "elastic.py"
 N_HOSTS, LOST = 3, 2
 # Loss continuity: the job's loss (mean over ranks) over any 5 steps of the first 25 after a
 # resume may exceed that of the 5 steps up to the checkpoint by at most this. Measured on

@@ -2,9 +2,9 @@
 """DiLoCo and LocalSGD against DDP on real data (sklearn's 8x8 digits): held-out accuracy
 after the same number of samples.
 
-    python benchmarks/diloco_digits.py                 # 3 seeds, 2 gloo ranks, ~1-3 min
-    python benchmarks/diloco_digits.py --sync-every 4,16,32
-    python benchmarks/diloco_digits.py --sweep         # + outer_lr x outer_momentum at H=16
+    python benchmarks/studies/diloco_digits.py                 # 3 seeds, 2 gloo ranks, ~1-3 min
+    python benchmarks/studies/diloco_digits.py --sync-every 4,16,32
+    python benchmarks/studies/diloco_digits.py --sweep         # + outer_lr x outer_momentum at H=16
 
 2 ranks, batch 32 per rank, an MLP (64-128-10), Adam(lr=3e-3) as the (inner) optimizer,
 30 epochs of each rank's half of the training split (75 %), accuracy on the held-out 25 %.

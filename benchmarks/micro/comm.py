@@ -14,9 +14,9 @@
 3. MinMaxUInt4 on one thread: compress, decompress and the round trip (compress then
    decompress) as a fraction of the same copy's bandwidth (target >= 50%).
 
-    python benchmarks/comm.py            # 4 KiB .. 64 MiB, 64 MiB compression input
-    python benchmarks/comm.py --quick    # well under a minute
-    python benchmarks/comm.py --compression-only   # 2. and 3. only
+    python benchmarks/micro/comm.py            # 4 KiB .. 64 MiB, 64 MiB compression input
+    python benchmarks/micro/comm.py --quick    # well under a minute
+    python benchmarks/micro/comm.py --compression-only   # 2. and 3. only
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """TopK and LowRank on sklearn's digits: held-out accuracy against DDP's (2 ranks).
 
-    python benchmarks/sparse_digits.py --seeds 3
-    python benchmarks/sparse_digits.py --seeds 3 --low-rank-start-step 10   # dense warm-up steps
+    python benchmarks/studies/sparse_digits.py --seeds 3
+    python benchmarks/studies/sparse_digits.py --seeds 3 --low-rank-start-step 10   # dense warm-up steps
 
 2 gloo ranks, the conv net of ``qadam_digits.py`` (Bagua's MNIST example sized for 8x8
 digits), Adam lr 1e-3, batch 64 per rank, 14 epochs, the same weights and batches for every

@@ -1,11 +1,11 @@
 """Autotuned bucket size against the default and a grid of fixed sizes, on emulated links.
 
-    python benchmarks/autotune.py                          # 100 Mbit/s and unshaped
-    python benchmarks/autotune.py --bandwidths none --steps 15 --json out/autotune/quick.json
+    python benchmarks/micro/autotune.py                          # 100 Mbit/s and unshaped
+    python benchmarks/micro/autotune.py --bandwidths none --steps 15 --json out/autotune/quick.json
 
 For each link bandwidth the testbed (benchmarks/testbed) emulates ``--hosts`` machines (network
 namespaces behind ``tc``-shaped links) and one ``torchrun --nnodes N`` job trains the same
-transformer (benchmarks/_e2e_model.py) with ``with_bagua(..., GradientAllReduce())`` at: the
+transformer (benchmarks/e2e/_e2e_model.py) with ``with_bagua(..., GradientAllReduce())`` at: the
 default bucket size (10 MiB), each size of a grid (powers of 4 from 16 KiB to the whole
 model), and ``autotune=True`` (starting from the default; cache off, so it really tunes),
 timed interleaved step by step after autotune has settled.  It prints throughput of each
@@ -26,8 +26,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import _paths  # noqa: E402,F401  (testbed and benchmarks/e2e on sys.path)
 
+# isort: split
 from _e2e_model import make_model, num_params  # noqa: E402
 from _e2e_report import bw_label  # noqa: E402
 
@@ -48,7 +50,7 @@ def parse_args(argv=None):
     ap.add_argument("--bandwidths", default="100,none",
                     help="comma list of Mbit/s or 'none' (unshaped)")
     ap.add_argument("--hosts", type=int, default=2)
-    ap.add_argument("--size", default="small", help="model size of benchmarks/_e2e_model.py")
+    ap.add_argument("--size", default="small", help="model size of benchmarks/e2e/_e2e_model.py")
     ap.add_argument("--algorithm", default="gradient_allreduce")
     ap.add_argument("--grid", help="comma list of bucket sizes (bytes); default powers of 4 "
                     "from 16 KiB to the model's size")

@@ -32,8 +32,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import _paths  # noqa: E402,F401  (testbed and benchmarks/e2e on sys.path)
 
+# isort: split
 from _e2e_model import SIZES, MarkovText, initial_loss, make_model, num_params  # noqa: E402
 from _e2e_report import (  # noqa: E402
     PlainConsole,

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """bagua-algos against PyTorch DDP (gloo) on 2 ranks over loopback, in the same run.
 
-    python benchmarks/algos.py            # every model size, bytes table on the 2.4M MLP
-    python benchmarks/algos.py --quick    # the two small sizes, a few steps (under a minute)
-    python benchmarks/algos.py --sizes large --algorithms ""   # one size, step time only
+    python benchmarks/micro/algos.py            # every model size, bytes table on the 2.4M MLP
+    python benchmarks/micro/algos.py --quick    # the two small sizes, a few steps (under a minute)
+    python benchmarks/micro/algos.py --sizes large --algorithms ""   # one size, step time only
 
 Prints, for ``with_bagua(GradientAllReduce())`` and ``DistributedDataParallel`` at each model
 size of ``--sizes`` (small 0.11M, quick 0.40M, base 2.37M, large 20.4M parameters), the median

@@ -291,7 +291,7 @@ def table(runs: list[dict], title: str):
 
 
 def markdown(runs: list[dict]) -> str:
-    """The table as GitHub markdown (for benchmarks/e2e.md)."""
+    """The table as GitHub markdown (for benchmarks/e2e/README.md)."""
     head = [c for c, _ in _COLUMNS]
     lines = ["| " + " | ".join(head) + " |",
              "|" + "|".join("---" if j == "left" else "---:" for _, j in _COLUMNS) + "|"]

@@ -1,4 +1,4 @@
-"""Every sampler's batches for one rank, and what a plan costs; shared by benchmarks/data.py
+"""Every sampler's batches for one rank, and what a plan costs; shared by benchmarks/micro/data.py
 and its 2-rank loop.  Each rank builds its own sampler, as in a real job."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """LowRank against torch's own PowerSGD hook on the main job's model, step for step (2 ranks).
 
-    python benchmarks/low_rank_vs_powersgd.py --steps 30 --size small
+    python benchmarks/studies/low_rank_vs_powersgd.py --steps 30 --size small
 
 2 gloo ranks, the e2e workload (``_e2e_model``: TinyGPT on Markov text, Adam lr 2e-3, batch 8
 per rank, the same batches and initial weights for every row), ``--warmup`` steps then
@@ -27,10 +27,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from _e2e_model import MarkovText, lm_loss, make_model  # noqa: E402
-from _e2e_rows import bagua_spec, build_torch, powersgd_start  # noqa: E402
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+import _paths  # noqa: F401  (testbed and benchmarks/e2e on sys.path)
+from _e2e_model import MarkovText, lm_loss, make_model
+from _e2e_rows import bagua_spec, build_torch, powersgd_start
 
 ROWS = ("ddp", "ddp_powersgd", "low_rank", "low_rank_nowarm")
 LR, BATCH = 2e-3, 8

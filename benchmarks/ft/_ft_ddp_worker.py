@@ -1,4 +1,4 @@
-"""One replica of benchmarks/ft.py's peer: torchft's own DDP + OptimizerWrapper + Manager on
+"""One replica of benchmarks/ft/ft.py's peer: torchft's own DDP + OptimizerWrapper + Manager on
 the same model and optimizer as tests/_ft_worker.py (its batches are per-replica random
 draws: torchft has no sampler position to carry)."""
 

@@ -17,8 +17,8 @@
 3. Per-step imbalance of unpadded totals (sum of lengths) at several world sizes, for
    DistributedSampler and the load-balancing samplers (``--worlds``).
 
-    python benchmarks/data.py            # all three
-    python benchmarks/data.py --quick    # well under a minute
+    python benchmarks/micro/data.py            # all three
+    python benchmarks/micro/data.py --quick    # well under a minute
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ mode="fast")`` and, for reference, ``fuse_optimizer(Adam(foreach=True))``.
 
 Timings use one torch thread by default (``torch.set_num_threads(1)``, as the issue's did).
 
-    python benchmarks/optim.py                     # both suites, full sizes
-    python benchmarks/optim.py --suite vs-fused    # against fused=True only
-    python benchmarks/optim.py --quick             # well under a minute
+    python benchmarks/micro/optim.py                     # both suites, full sizes
+    python benchmarks/micro/optim.py --suite vs-fused    # against fused=True only
+    python benchmarks/micro/optim.py --quick             # well under a minute
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ DEFAULT_ROWS = ["ddp", "ddp_fp16", "ddp_powersgd", "ddp_bytegrad_hook", "gradien
 # "auto": with_bagua(model, [opt], "auto") as a user runs it (network measured at the start,
 # the rule's algorithm and bucket size); the trade-off map scores the choice by this row
 # Communicate every sync_every steps (sync_every_for); ft_diloco (torchft's DiLoCo, the peer:
-# benchmarks/_e2e_ft.py) runs with the sync_every the diloco row chose.
+# benchmarks/e2e/_e2e_ft.py) runs with the sync_every the diloco row chose.
 SYNC_ROWS = ("local_sgd", "diloco", "diloco_u8", "diloco_u4", "ft_diloco")
 # A compressed DiLoCo row's outer-gradient bytes per sync as a fraction of float32's: the rule
 # gives it its own H (a 4-bit sync costs 1/8 of the allreduce, so it can sync ~8x as often)
@@ -101,7 +101,7 @@ def powersgd_start(warmup: int) -> int:
     least 2, torch's minimum with error feedback) and of ``low_rank`` (``start_step``), the
     same for both so that their losses compare: without it LowRank's loss after 30 steps was
     2.97 against the hook's 2.18 (2 ranks, small), with it 2.19
-    (``benchmarks/low_rank_vs_powersgd.py``)."""
+    (``benchmarks/studies/low_rank_vs_powersgd.py``)."""
     return max(2, warmup)
 
 

@@ -1,9 +1,9 @@
 """bagua-net throughput against iperf3, over loopback and over a per-flow-capped veth link.
 
-    python benchmarks/net.py            # 64 KiB .. 256 MiB, 1/2/4/8 streams, both links
-    python benchmarks/net.py --quick    # a few sizes, 1 and 4 streams (well under a minute)
-    python benchmarks/net.py --link loopback --streams 1,4 --sizes 1M,64M
-    python benchmarks/net.py --baseline-lib /tmp/old/libnccl-net-bagua.so --quick
+    python benchmarks/micro/net.py            # 64 KiB .. 256 MiB, 1/2/4/8 streams, both links
+    python benchmarks/micro/net.py --quick    # a few sizes, 1 and 4 streams (well under a minute)
+    python benchmarks/micro/net.py --link loopback --streams 1,4 --sizes 1M,64M
+    python benchmarks/micro/net.py --baseline-lib /tmp/old/libnccl-net-bagua.so --quick
 
 Two processes drive libnccl-net-bagua.so through its NCCL table (``bagua_net.testing``): the
 receiver listens, the sender connects with ``BAGUA_NET_NSTREAMS`` streams, then for each size
@@ -431,7 +431,8 @@ def main(argv=None) -> int:
         report(f"loopback, median of {args.repeat or (2 if args.quick else 3)} runs", streams,
                sizes, plugin, iperf, capped=False)
     if args.link in ("netns", "both"):
-        sys.path.insert(0, str(HERE))
+        sys.path.append(str(HERE.parent))  # benchmarks/
+        import _paths  # noqa: F401  (testbed on sys.path)
         try:
             from testbed import Testbed, flow_class, testbed_available
         except ImportError as err:

@@ -1,4 +1,4 @@
-"""torchrun worker of benchmarks/autotune.py: fixed bucket sizes against the autotuner.
+"""torchrun worker of benchmarks/micro/autotune.py: fixed bucket sizes against the autotuner.
 
 One process per emulated host.  Every configuration (the default bucket size, each size of
 the grid, and ``autotune=True`` starting from the default) gets its own copy of the same
@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import _paths  # noqa: F401  (testbed and benchmarks/e2e on sys.path)
 from _e2e_model import MarkovText, lm_loss, make_model, num_params
 
 

@@ -2,8 +2,8 @@
 """QAdam on sklearn's digits: is the occasional divergence after warmup the frozen-variance
 design or a defect of ours?
 
-    python benchmarks/qadam_digits.py --seeds 15              # simulations (one process)
-    python benchmarks/qadam_digits.py --seeds 15 --ranks      # + our QAdam on 2 real ranks
+    python benchmarks/studies/qadam_digits.py --seeds 15              # simulations (one process)
+    python benchmarks/studies/qadam_digits.py --seeds 15 --ranks      # + our QAdam on 2 real ranks
 
 The scenario of the original Bagua MNIST example, ported to 8x8 digits: 2 ranks, batch 64 per
 rank, ``QAdamOptimizer(lr=0.01)`` (warmup 100 steps), 14 epochs, the example's conv net. For

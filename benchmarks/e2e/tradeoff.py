@@ -18,11 +18,12 @@ import json
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import _paths  # noqa: F401  (testbed and benchmarks/e2e on sys.path)
 
-from _e2e_report import cell, cell_label, cells  # noqa: E402
-from _e2e_rows import planned_steps  # noqa: E402
+# isort: split
+from _e2e_report import cell, cell_label, cells
+from _e2e_rows import planned_steps
 
 #: The default grid.  The fastest column is 300 Mbit/s, not 1 Gbit/s: the user-space delay line
 #: carries ~0.6 Gbit/s in all on 2 cores and fell behind in every 1 Gbit/s cell with latency

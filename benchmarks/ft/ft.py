@@ -17,7 +17,7 @@ parameters, optimizer and algorithm state, LR scheduler, sampler position), and 
 ``peer``.  ``--heartbeat-ms`` is the Lighthouse's heartbeat timeout for bagua's run (default
 1000 ms, replicas beat every 100 ms).  Exits 1 if a target is missed.
 
-    python benchmarks/ft.py --quick --json out/ft/result.json
+    python benchmarks/ft/ft.py --quick --json out/ft/result.json
 
 ``--soak SECONDS`` runs no fault at all and counts false drops (a live host left out of a
 quorum, a step not committed) at the heartbeat timeout given, under whatever load the machine
@@ -40,9 +40,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OURS = ROOT / "tests" / "_ft_worker.py"
-PEER = ROOT / "benchmarks" / "_ft_ddp_worker.py"
+PEER = Path(__file__).resolve().parent / "_ft_ddp_worker.py"
 HOSTS, LOST = 3, 2
 
 
@@ -99,7 +99,8 @@ class Hosts:
     def __init__(self, use_testbed: bool, mbit: float | None):
         self.tb, self.why = None, "--no-testbed"
         if use_testbed:
-            sys.path.insert(0, str(ROOT / "benchmarks"))
+            sys.path.append(str(ROOT / "benchmarks"))
+            import _paths  # noqa: F401  (testbed on sys.path)
             from testbed import Testbed, testbed_available
 
             ok, self.why = testbed_available()
