@@ -1,4 +1,4 @@
-"""benchmarks/e2e/e2e.py end to end, with a tiny
+"""benchmarks/e2e/e2e.py end to end (through the benchmarks/e2e.py shim), with a tiny
 configuration: the JSON has every number."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ TINY = ["--quick", "--size", "tiny", "--steps", "4", "--warmup", "1", "--wall-se
 
 def _run(tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "e2e.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e" / "e2e.py"), *TINY,
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e.py"), *TINY,
                         "--json", str(out), "--plot", str(tmp_path / "e2e.png"),
                         "--workdir", str(tmp_path / "work"), "--testbed-name", f"e2t{os.getpid() % 100000}",
                         "--stall-seconds", "120", *extra],

@@ -74,7 +74,7 @@ def test_quick_map_on_the_testbed_measures_latency_and_names_a_winner_per_cell(t
 
     out = tmp_path / "t.json"
     r = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "e2e" / "tradeoff.py"), "--quick",
+        [sys.executable, str(ROOT / "benchmarks" / "tradeoff.py"), "--quick",
          "--json", str(out), "--plot", str(tmp_path / "t.png"),
          "--algorithms", "ddp,decentralized_shift_one", "--steps", "3", "--wall-seconds", "0.5",
          "--workdir", str(tmp_path / "work"), "--testbed-name", f"tq{os.getpid() % 100000}",
