@@ -32,15 +32,17 @@ TINY = ["--quick", "--size", "tiny", "--steps", "4", "--warmup", "1", "--wall-se
         "--hosts", "2", "--procs-per-host", "1"]
 
 
-def _run(tmp_path: Path, *extra: str) -> dict:
+def _run(tmp_path: Path, *extra: str, env: dict | None = None) -> dict:
     out = tmp_path / "e2e.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e.py"), *TINY,
                         "--json", str(out), "--plot", str(tmp_path / "e2e.png"),
                         "--workdir", str(tmp_path / "work"), "--testbed-name", f"e2t{os.getpid() % 100000}",
                         "--stall-seconds", "120", *extra],
-                       capture_output=True, text=True, timeout=400, cwd=tmp_path)
+                       capture_output=True, text=True, timeout=400, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     try:
+        if env is not None and WITHOUT_EXTRAS in env.get("PYTHONPATH", ""):
+            raise ImportError("blocked in the child")
         import matplotlib  # noqa: F401
     except ImportError:
         assert "plot: skipped (pip install matplotlib)" in r.stdout
@@ -95,6 +97,47 @@ def test_e2e_writes_every_field_and_ddp_traffic_matches_a_ring_allreduce(tmp_pat
     # Same averaged gradients as DDP, same optimizer, same data: the same loss.
     assert ga["loss"] == pytest.approx(ddp["loss"], rel=1e-4)
     assert ga["speedup_vs_ddp"] == pytest.approx(ga["samples_per_s"] / ddp["samples_per_s"])
+
+
+WITHOUT_EXTRAS = "without-extras"
+# The packages nox's bench sessions add (noxfile.py BENCH_EXTRAS): a user may have none of them.
+EXTRAS = ("rich", "matplotlib", "tqdm")
+
+
+def _env_without_extras(tmp_path: Path) -> dict:
+    """The environment with rich, matplotlib and tqdm unimportable: stub packages first on
+    PYTHONPATH that raise what an absent package raises (the child and its workers inherit it)."""
+    stubs = tmp_path / WITHOUT_EXTRAS
+    for name in EXTRAS:
+        (stubs / name).mkdir(parents=True)
+        (stubs / name / "__init__.py").write_text(
+            f"raise ModuleNotFoundError(\"No module named '{name}' (blocked)\", name='{name}')\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(stubs), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def test_the_stubs_block_the_extras(tmp_path):
+    env = _env_without_extras(tmp_path)
+    for name in EXTRAS:
+        r = subprocess.run([sys.executable, "-c", f"import {name}"], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr, (name, r.stderr)
+
+
+@pytest.mark.timeout(420)
+def test_e2e_without_rich_matplotlib_or_tqdm_finishes_and_writes_its_json(tmp_path):
+    # Plain console and progress: every row's closing line (logged with markup=False) printed,
+    # the table and the JSON written, the plot skipped with a note.
+    report, stdout = _run(tmp_path, "--no-testbed", "--algorithms", "ddp,no_such_algorithm",
+                          env=_env_without_extras(tmp_path))
+    runs = {r["algorithm"]: r for r in report["runs"]}
+    assert runs["ddp"]["status"] == "ok" and runs["ddp"]["samples_per_s"] > 0
+    assert runs["no_such_algorithm"]["status"] == "unavailable"
+    assert report["plot"] is None
+    assert not (tmp_path / "e2e.png").exists()
+    assert "bagua end to end vs torch DDP" in stdout            # the plain table
+    assert "json: " in stdout
 
 
 @pytest.mark.timeout(420)

@@ -396,10 +396,12 @@ def plot(runs: list[dict], path: Path, subtitle: str = "") -> Path | None:
 
 
 class PlainConsole:
-    """The two rich.Console methods e2e.py uses, for machines without rich."""
+    """The two rich.Console methods e2e.py uses, for machines without rich: the same keyword
+    arguments (``markup=False`` prints brackets as they are; the others have no plain form)."""
 
-    def print(self, *objs) -> None:
-        print(*(re.sub(r"\[/?[a-z ]*\]", "", str(o)) for o in objs), flush=True)
+    def print(self, *objs, markup: bool = True, **_rich_only) -> None:
+        strip = (lambda s: re.sub(r"\[/?[a-z ]*\]", "", s)) if markup else (lambda s: s)
+        print(*(strip(str(o)) for o in objs), flush=True)
 
     log = print
 

@@ -270,8 +270,12 @@ def soak(hosts: Hosts, lighthouse: str, out: Path, args) -> dict:
                         "max": max(loads)} if loads else None}
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
+def plot(result: dict, path: Path) -> Path | None:
+    """The story's four panels; None where matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -297,6 +301,8 @@ def plot(result: dict, path: Path) -> None:
         axes[0][col].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main(argv=None) -> int:
@@ -355,7 +361,6 @@ def main(argv=None) -> int:
     result["timeout_s"] = args.timeout
     result["loadavg"] = [load, Path("/proc/loadavg").read_text().split()[0]]
     result["heartbeat_timeout_ms"] = {"bagua": args.heartbeat_ms, "peer": 5000}
-    plot(result, out / "ft.png")
     fails = []
     if not result["stall_s"] < min(2.0, result["peer"]["stall_s"]):
         fails.append("stall")
@@ -373,6 +378,8 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result))
+    png = plot(result, out / "ft.png")      # after the JSON: a plot error loses nothing
+    print(f"plot: {png}" if png else "plot: skipped (pip install matplotlib)")
     return 1 if fails else 0
 
 
