@@ -62,3 +62,24 @@ def test_nav_pages_exist():
     assert nav, "no pages found in mkdocs.yml's nav"
     missing = [p for p in nav if not (DOCS / p).is_file()]
     assert not missing, f"mkdocs.yml nav names missing pages: {missing}"
+
+
+# The repository's own front pages (not on the site): every relative link and picture resolves.
+FRONT = [ROOT / "README.md", *sorted((ROOT / "benchmarks").glob("**/README.md"))]
+_MD_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+@pytest.mark.parametrize("page", FRONT, ids=lambda p: str(p.relative_to(ROOT)))
+def test_front_page_links_resolve(page):
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+    for ref in _MD_LINK.findall(text):
+        if re.match(r"[a-z]+:", ref) or ref.startswith("#"):
+            continue
+        path = (page.parent / ref.split("#")[0]).resolve()
+        assert path.exists(), f"{page.relative_to(ROOT)} links {ref}, which does not exist"
+
+
+def test_readme_says_what_it_measured_and_shows_it():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "python3 -m nox -s demo" in text and "python3 -m nox -t ci" in text
+    assert re.search(r"!\[[^\]]+\]\(docs/img/[\w.-]+\.png\)", text), "a picture of the main job"
