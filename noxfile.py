@@ -249,8 +249,10 @@ def docs(session: nox.Session) -> None:
     session.log(f"site built in {site}")
 
 
-# What the benchmarks need beyond the packages: the plot and the live table.
+# What the benchmarks need beyond the packages: the plot and the live table (each benchmark
+# also finishes without them), and sklearn's digits for the accuracy studies.
 BENCH_EXTRAS = ["matplotlib", "rich", "tqdm"]
+STUDY_EXTRAS = ["scikit-learn"]
 
 
 def _install_stack(session: nox.Session) -> None:
@@ -294,6 +296,7 @@ def bench(session: nox.Session) -> None:
     The entry points are the scripts in benchmarks/{micro,e2e,ft,studies}/ not starting with "_".
     """
     _install_stack(session)
+    session.install(*STUDY_EXTRAS)
     scripts = bench_scripts()
     if not scripts:
         session.error(f"no entry points in benchmarks/{{{','.join(BENCH_DIRS)}}}/")
