@@ -1,4 +1,4 @@
-"""Handle.then: callbacks run when the handle completes, with nobody calling wait(), so chains
+"""bagua_comm.Work.then (the algorithms' handles): callbacks run when the handle completes, with nobody calling wait(), so chains
 of dependent collectives (P, then Q computed from P) progress by themselves; exceptions reach
 wait() of every handle down the chain."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import bagua_comm as bc
-from bagua_algos._comm import Handle, Runner
+from bagua_algos._comm import Runner
 from bagua_comm.testing import run_ranks
 
 TIMEOUT = 30
@@ -61,7 +61,7 @@ def test_chained_callbacks_run_on_completion_without_wait(runner):
 
 def test_primitive_like_work_is_watched_for_its_callbacks():
     work, ran = _GatedWork(), threading.Event()
-    h = Handle(work).then(lambda _: ran.set() or "done")
+    h = bc.Work([work]).then(lambda _: ran.set() or "done")
     work.gate.set()
     assert ran.wait(TIMEOUT), "no callback on completion of a wait()-only work"
     assert h.wait() == "done"
@@ -69,13 +69,13 @@ def test_primitive_like_work_is_watched_for_its_callbacks():
 
 def test_then_on_a_completed_handle_runs_at_once_in_the_caller():
     where = []
-    h = Handle.completed(5).then(lambda p: where.append(threading.current_thread()) or p.value())
+    h = bc.Work.completed(5).then(lambda p: where.append(threading.current_thread()) or p.value())
     assert where == [threading.current_thread()] and h.is_completed() and h.wait() == 5
 
 
 def test_a_handle_nobody_chains_on_is_completed_by_wait_as_before():
     work = _GatedWork()
-    h = Handle(work)
+    h = bc.Work([work])
     assert not h.is_completed()
     work.gate.set()
     assert h.is_completed() and h.wait() is None
@@ -101,7 +101,7 @@ def test_exceptions_propagate_to_wait_down_the_chain(runner, where):
         mid.wait()
     assert calls == ([] if where == "work" else ["first"])   # nothing after the failure ran
     work = _GatedWork(fail=ValueError("work failed"))
-    chained = Handle(work).then(lambda _: calls.append("never"))
+    chained = bc.Work([work]).then(lambda _: calls.append("never"))
     work.gate.set()
     with pytest.raises(ValueError, match="work failed"):
         chained.wait()
@@ -122,7 +122,7 @@ def _p_then_q():
         done.set()
         return q.clone()
 
-    chained = Handle(bc.allreduce_inplace(p, async_op=True)).then(compute_q)
+    chained = bc.allreduce_inplace(p, async_op=True).then(compute_q)
     progressed = done.wait(TIMEOUT)
     before_wait = q.clone()
     return progressed, before_wait, chained.wait()

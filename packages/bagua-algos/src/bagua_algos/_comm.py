@@ -1,7 +1,7 @@
 """Communication plumbing shared by the algorithms.
 
-:class:`Handle` is a completion handle that chains like a torch future (``then``, ``wait``,
-``is_completed``).  :class:`Runner` runs blocking communication chains one after another on a
+:class:`Handle` is bagua_comm's completion handle (:class:`bagua_comm.Work`), which chains like
+a torch future (``then``, ``wait``, ``is_completed``).  :class:`Runner` runs blocking communication chains one after another on a
 background thread, on the CUDA stream that was current when they were submitted.
 :class:`Reducer` is "reduce this bucket, flat or hierarchical": every algorithm goes through
 it instead of re-typing the flat-async / hierarchical-on-a-thread split.
@@ -9,9 +9,8 @@ it instead of re-typing the flat-async / hierarchical-on-a-thread split.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -19,186 +18,9 @@ import torch
 import bagua_comm as bc
 
 
-class Handle:
-    """Completion handle of a bucket's communication, chainable like ``torch.futures.Future``.
-
-    ``then(fn)`` returns a new handle that completes once this one has and ``fn(self)`` has
-    run; ``fn``'s return value is the new handle's :meth:`value`.  ``fn`` runs **when this
-    handle completes**, whether or not anyone waits: on the thread that completes it (the
-    reducer's runner thread, or a shared waiter thread for a primitive's asynchronous work),
-    or at once in the caller's thread if it has already completed.  A chain of dependent
-    collectives (P then Q) therefore progresses during backward.  ``fn`` runs on the CUDA
-    stream that was current when ``then`` was called.  An exception (in the work or in a
-    callback) completes every handle further down the chain with it; :meth:`wait` raises it.
-    """
-
-    __slots__ = ("_callbacks", "_claimed", "_error", "_event", "_lock", "_value", "_watched",
-                 "_work")
-
-    def __init__(self, work: Any = None):
-        self._work = work            # anything with wait() (and is_completed()), or None
-        self._lock = threading.Lock()
-        self._event = threading.Event()
-        self._callbacks: list[Callable[[Handle], None]] = []
-        self._claimed = work is None  # someone is (or no one need be) waiting on the work
-        self._watched = False
-        self._value = None
-        self._error: BaseException | None = None
-        if work is None:
-            self._event.set()
-
-    @classmethod
-    def completed(cls, value: Any = None) -> Handle:
-        h = cls()
-        h._value = value
-        return h
-
-    # -- completion -------------------------------------------------------------------------
-    def _complete(self, value: Any = None, error: BaseException | None = None) -> None:
-        with self._lock:
-            self._value, self._error = value, error
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            cb(self)
-
-    def _claim(self) -> bool:
-        """True for the one caller that is to wait on the work and complete this handle."""
-        with self._lock:
-            if self._claimed:
-                return False
-            self._claimed = True
-            return True
-
-    def _settle(self) -> None:
-        """Wait for the work (this thread) and complete the handle with its outcome."""
-        try:
-            self._work.wait()
-        except BaseException as err:  # handed to whoever waits
-            self._complete(error=err)
-        else:
-            self._complete()
-
-    def _watch(self) -> None:
-        """Have the work's completion complete this handle without a waiter in the caller."""
-        with self._lock:
-            if self._watched or self._event.is_set():
-                return
-            self._watched = True
-        if not self._claim():
-            return
-        work = self._work
-        if isinstance(work, _FutureWork):
-            work.add_done_callback(lambda _f: self._settle())   # wait() returns at once
-        else:
-            _waiter().submit(self._settle)
-
-    def _on_done(self, cb: Callable[[Handle], None]) -> None:
-        with self._lock:
-            if not self._event.is_set():
-                self._callbacks.append(cb)
-                cb = None
-        if cb is not None:
-            cb(self)
-        else:
-            self._watch()
-
-    # -- the torch.futures.Future-like surface -----------------------------------------------
-    def then(self, fn: Callable[[Handle], Any]) -> Handle:
-        child = Handle.__new__(Handle)
-        Handle.__init__(child, _PENDING)
-        child._claimed = True           # completed by this handle's callback, never waited on
-        stream = _current_cuda_stream()
-
-        def run(parent: Handle) -> None:
-            if parent._error is not None:
-                child._complete(error=parent._error)
-                return
-            try:
-                if stream is None:
-                    value = fn(parent)
-                else:
-                    with torch.cuda.stream(stream):
-                        value = fn(parent)
-            except BaseException as err:  # handed to whoever waits
-                child._complete(error=err)
-            else:
-                child._complete(value)
-
-        self._on_done(run)
-        return child
-
-    def wait(self) -> Any:
-        if not self._event.is_set() and self._claim():
-            self._settle()
-        self._event.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-    def value(self) -> Any:
-        """The chained function's result (waits for completion)."""
-        return self.wait()
-
-    def is_completed(self) -> bool:
-        if self._event.is_set():
-            return True
-        work = self._work
-        if work is not _PENDING and work.is_completed() and self._claim():
-            self._settle()
-        return self._event.is_set()
-
-
-class _Pending:
-    """The work of a chained handle: completed by its parent's callback."""
-
-    def wait(self) -> None:  # pragma: no cover - a chained handle is never claimed
-        raise AssertionError("a chained handle completes through its parent")
-
-    def is_completed(self) -> bool:
-        return False
-
-
-_PENDING = _Pending()
-_waiter_pool: ThreadPoolExecutor | None = None
-_waiter_lock = threading.Lock()
-
-
-def _waiter() -> ThreadPoolExecutor:
-    """The thread that waits on primitives' asynchronous work for chained handles (one per
-    process, started on first use; works complete in the order collectives were issued, so
-    one thread waiting on them in turn loses nothing)."""
-    global _waiter_pool
-    with _waiter_lock:
-        if _waiter_pool is None:
-            _waiter_pool = ThreadPoolExecutor(max_workers=1,
-                                              thread_name_prefix="bagua-handle-waiter")
-        return _waiter_pool
-
-
-class _FutureWork:
-    __slots__ = ("_future",)
-
-    def __init__(self, future: Future):
-        self._future = future
-
-    def add_done_callback(self, fn: Callable[[Future], None]) -> None:
-        """``fn(future)`` on the runner thread once the job has finished (at once if it has)."""
-        self._future.add_done_callback(fn)
-
-    def wait(self) -> None:
-        self._future.result()
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-
-def _current_cuda_stream():
-    """The caller's current CUDA stream, or None when CUDA was never initialised (the CPU
-    path never touches CUDA)."""
-    if not torch.cuda.is_initialized():
-        return None
-    return torch.cuda.current_stream()
+#: The completion handle of a bucket's communication: bagua_comm's one handle type, which
+#: chains like ``torch.futures.Future`` (``then``, ``wait``, ``value``, ``is_completed``).
+Handle = bc.Work
 
 
 class Runner:
@@ -216,17 +38,27 @@ class Runner:
         self._pool: ThreadPoolExecutor | None = None
 
     def submit(self, fn: Callable[[], Any]) -> Handle:
+        """Run ``fn`` after the jobs submitted before; the handle completes (with None) when
+        it has, and its ``then`` callbacks run on this runner's thread."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
-        stream = _current_cuda_stream()
-        if stream is not None:
-            inner = fn
+        stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
+        handle = Handle.pending()
 
-            def fn():
-                with torch.cuda.stream(stream):
-                    return inner()
+        def job():
+            try:
+                if stream is None:
+                    fn()
+                else:
+                    with torch.cuda.stream(stream):
+                        fn()
+            except BaseException as err:  # handed to whoever waits
+                handle.set_exception(err)
+            else:
+                handle.set_result(None)
 
-        return Handle(_FutureWork(self._pool.submit(fn)))
+        self._pool.submit(job)
+        return handle
 
     def close(self) -> None:
         if self._pool is not None:
@@ -284,7 +116,7 @@ class Reducer:
     def allreduce(self, tensor: torch.Tensor, op: bc.ReduceOp = bc.ReduceOp.AVG) -> Handle:
         """Allreduce ``tensor`` in place."""
         if not self.hierarchical:
-            return Handle(bc.allreduce_inplace(tensor, op, group=self.group, async_op=True))
+            return bc.allreduce_inplace(tensor, op, group=self.group, async_op=True)
         return self.runner.submit(lambda: hierarchical(
             self.group, tensor, lambda t, g: bc.allreduce_inplace(t, op, group=g),
             op is bc.ReduceOp.AVG))
@@ -294,8 +126,8 @@ class Reducer:
         """Allreduce ``tensor`` in place through ``compressor`` (among node leaders only when
         hierarchical; the intra-node steps stay full precision)."""
         if not self.hierarchical:
-            return Handle(bc.compressed_allreduce(tensor, tensor, op, compressor, key=key,
-                                                  group=self.group, async_op=True))
+            return bc.compressed_allreduce(tensor, tensor, op, compressor, key=key,
+                                           group=self.group, async_op=True)
 
         def among(t, g):
             bc.compressed_allreduce(t, t, op, compressor, key=key, group=g)

@@ -105,14 +105,6 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
                        autotune=autotune, broadcast_buffers=broadcast_buffers)
 
 
-class _Done:
-    """A completed handle (one rank: nothing to reduce)."""
-
-    @staticmethod
-    def wait() -> None:
-        return None
-
-
 def _broadcast_tensors(tensors: Iterable[torch.Tensor], group: bc.ProcessGroup) -> None:
     if group.size > 1:
         broadcast_tensors(tensors, group)
@@ -547,7 +539,7 @@ class BaguaModule(torch.nn.Module):
         gradient."""
         flags = self._local_flags(torch.empty(len(self._slotted), dtype=torch.uint8))
         if self.group.size == 1:
-            return flags, _Done()
+            return flags, bc.Work.completed()   # one rank: nothing to reduce
         return flags, bc.allreduce_inplace(flags, bc.ReduceOp.MAX, group=self.group,
                                            async_op=True)
 

@@ -112,7 +112,7 @@ def broadcast_object(obj, src=0, *, group=None, async_op=False):
     g = V.group(group)
     src = V.rank("src", src, g)
     if g.size == 1:
-        return _ObjectWork(obj) if async_op else obj
+        return Work.completed(obj) if async_op else obj
     # Through the group's own gloo backend (not torch's broadcast_object_list, which needs a
     # group registered in torch's world: a reconfigured torchft group is not).
     payload, error = None, None
@@ -132,19 +132,7 @@ def broadcast_object(obj, src=0, *, group=None, async_op=False):
         payload = torch.empty(int(size[0]), dtype=torch.uint8)
     g._gloo.broadcast(payload, src, False)
     out = obj if g.rank == src else pickle.loads(payload.numpy().tobytes())
-    return _ObjectWork(out) if async_op else out
-
-
-class _ObjectWork(Work):
-    """A completed handle whose ``wait()`` returns the broadcast object."""
-
-    def __init__(self, value):
-        super().__init__()
-        self._done = True
-        self.value = value
-
-    def wait(self):
-        return self.value
+    return Work.completed(out) if async_op else out
 
 
 # -- reduce --------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib.util
 import numbers
 import os
 import warnings
@@ -18,6 +19,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from . import _nccl_loader
+from ._backends.gloo import GlooBackend
+from ._backends.nccl import NcclBackend
+from ._state import DEFAULT_TIMEOUT as _DEFAULT_TIMEOUT
+from ._state import state as _state
 
 _BACKENDS = ("auto", "gloo", "nccl")
 
@@ -36,8 +43,6 @@ class ProcessGroup:
         """``global_rank``: this process's place in ``ranks`` numbering when ``torch_group``
         is not a group of torch's default world (a group reconfigured outside it, such as
         torchft's, see ``bagua_algos.ft``); by default ``torch.distributed.get_rank()``."""
-        from ._backends.gloo import GlooBackend
-
         self.ranks = list(ranks)
         self.torch_group = torch_group
         # A second gloo group of the same ranks for multi-phase operations that run on the
@@ -58,8 +63,6 @@ class ProcessGroup:
         self._gloo = GlooBackend(self, torch_group, self.aux_torch_group)
         self._nccl = None
         if backend == "nccl":
-            from ._backends.nccl import NcclBackend
-
             self._nccl = NcclBackend(self)
 
     def backend_for(self, tensor):
@@ -136,21 +139,6 @@ class ProcessGroup:
         return f"ProcessGroup(ranks={self.ranks}, backend={self.backend!r})"
 
 
-class _State:
-    def __init__(self):
-        self.default: ProcessGroup | None = None
-        self.backend: str | None = None
-        self.local_world_size = 1
-        self.owns_torch_pg = False
-        self.groups: list[ProcessGroup] = []
-        self.cuda_device: int | None = None
-        self.timeout = timedelta(minutes=30)  # every group we create gets the job's timeout
-        self.generation = getattr(self, "generation", 0)
-
-
-_state = _State()
-
-
 def _gloo_group(ranks):
     """A torch gloo group of ``ranks`` (collective over the world) with the job's timeout."""
     return dist.new_group(ranks=list(ranks), backend="gloo", timeout=_state.timeout,
@@ -174,10 +162,6 @@ def _torch_timeout(default: timedelta) -> timedelta:
 
 def _nccl_unavailable() -> str | None:
     """Why the nccl backend cannot work in this process, or None when it can."""
-    import importlib.util
-
-    from . import _nccl_loader
-
     if not torch.cuda.is_available():
         return "CUDA is not available"
     try:
@@ -204,15 +188,11 @@ def _resolve_backend(backend: str) -> str:
         return "nccl"
     # auto on a machine without CUDA is the normal CPU case: no warning.
     if backend == "nccl" or torch.cuda.is_available():
-        from ._nccl_loader import INSTALL_HINT
-
         warnings.warn(f"bagua_comm: the nccl backend cannot be used ({reason}); falling back "
-                      f"to gloo (CPU tensors). For GPUs install: {INSTALL_HINT}",
+                      f"to gloo (CPU tensors). For GPUs install: {_nccl_loader.INSTALL_HINT}",
                       RuntimeWarning, stacklevel=3)
     return "gloo"
 
-
-_DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 SHARED_STORE_WARNING = (
     "bagua_comm: torchrun shares its rendezvous TCPStore with the workers and may restart "
@@ -349,7 +329,7 @@ def destroy_process_group() -> None:
         g._release()
     if _state.owns_torch_pg and dist.is_initialized():
         dist.destroy_process_group()
-    _state.__init__()
+    _state.reset()
     gc.collect()  # torch's groups go now, not at interpreter exit (see GlooBackend.close)
 
 

@@ -25,17 +25,6 @@ from . import Backend
 _HALF = (torch.float16, torch.bfloat16)
 
 
-class _FutureHandle:
-    def __init__(self, fut):
-        self._fut = fut
-
-    def wait(self):
-        self._fut.result()
-
-    def is_completed(self):
-        return self._fut.done()
-
-
 def _opts(cls, **fields):
     o = cls()
     for k, v in fields.items():
@@ -203,7 +192,7 @@ class GlooBackend(Backend):
                 self._executor = ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=f"bagua-comm-{self.group.ranks[:4]}")
             fut = self._executor.submit(fn)
-        return finish([_FutureHandle(fut)], async_op=async_op)
+        return finish([fut], async_op=async_op)
 
     def exchange(self, recv_rows, send_rows):
         """Every receive is posted before the first send, so each rank's "ready to receive"

@@ -19,9 +19,12 @@ import collections
 import threading
 
 import torch
+import torch.distributed as dist
 
+from .. import _nccl_loader, _nccl_watchdog
+from .._state import state as _process
 from ..ops import ReduceOp
-from ..work import finish
+from ..work import Work
 from . import Backend
 
 NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
@@ -46,22 +49,29 @@ def nccl_dtype(t: torch.Tensor) -> int:
                          f"{sorted(str(d) for d in NCCL_DTYPES)}") from None
 
 
-class _CudaEvent:
-    """A backend handle over a CuPy event recorded on the communication stream."""
+class _CudaWork(Work):
+    """The CUDA form of :class:`~bagua_comm.work.Work`: the operation ends with a CuPy event
+    recorded on the group's communication stream.  ``wait()`` makes the caller's current
+    stream wait for it (no host synchronisation); ``is_completed()`` queries the event (the
+    watchdog polls it too, so it only reads)."""
 
     __slots__ = ("_event", "_state")
 
     def __init__(self, event, state):
+        super().__init__()
         self._event = event
         self._state = state
 
-    def wait(self):
+    def _wait_leaves(self):
         self._state.watch.check()   # the watchdog aborted this group: raise, do not wait
         st = self._state
         st.caller(torch.cuda.current_stream(st.device).cuda_stream)[0].wait_event(self._event)
 
-    def is_completed(self):
+    def _leaves_completed(self):
         return self._event.done
+
+    def is_completed(self):
+        return self._finished or self._event.done
 
 
 class _GroupState:
@@ -72,8 +82,6 @@ class _GroupState:
     """
 
     def __init__(self, be, comm):
-        from .. import _nccl_watchdog
-
         g = be.group
         self.comm = comm
         self.stream = be.stream()
@@ -82,7 +90,7 @@ class _GroupState:
         self.free_events: collections.deque = collections.deque()
         self.scratch: dict = {}
         self.device = be.device
-        self.watch = _nccl_watchdog.watch(comm, repr(g), _timeout_seconds(), be.device)
+        self.watch = _nccl_watchdog.watch(comm, repr(g), _process.timeout_seconds(), be.device)
 
     @classmethod
     def of(cls, be):
@@ -131,13 +139,6 @@ def _on_device(device):
     return contextlib.nullcontext() if device is None else _cupy().cuda.Device(device)
 
 
-def _timeout_seconds() -> float:
-    from ..process_group import _state
-
-    timeout = getattr(_state, "timeout", None)
-    return timeout.total_seconds() if timeout is not None else 1800.0
-
-
 class _Launch:
     """One operation on the group's stream: ``with _Launch(be) as L: L.comm.<call>(...)``."""
 
@@ -184,11 +185,14 @@ class _Launch:
             t.record_stream(self._torch_stream)
         event = st.event()
         event.record(self.stream)
-        handle = _CudaEvent(event, st)
+        work = _CudaWork(event, st)
         # Synchronous calls are waited for now, so their event goes back to the free list once
         # the watchdog sees it complete; an async handle keeps its own.
-        st.watch.track(handle, on_done=None if async_op else st.recycle)
-        return finish([handle], async_op=async_op)
+        st.watch.track(work, on_done=None if async_op else st.recycle)
+        if async_op:
+            return work
+        work._wait_leaves()     # nobody else holds this handle: no completion bookkeeping
+        return None
 
 
 class NcclBackend(Backend):
@@ -197,9 +201,7 @@ class NcclBackend(Backend):
     def __init__(self, group, device: int | None = None):
         super().__init__(group)
         if device is None:
-            from ..process_group import _state
-
-            device = _state.cuda_device
+            device = _process.cuda_device
         #: The CUDA device of this rank's communicator, stream and events.
         self.device = device
         self._lock = threading.Lock()
@@ -213,10 +215,6 @@ class NcclBackend(Backend):
         """This group's NCCL communicator, created at first use (collective over the group)."""
         with self._lock:
             if self._comm is None:
-                import torch.distributed as dist
-
-                from .. import _nccl_loader
-
                 g = self.group
                 nccl = _nccl_loader.load()
                 store = dist.distributed_c10d._get_default_store()
@@ -228,7 +226,7 @@ class NcclBackend(Backend):
                 # joins makes this rank raise instead of hanging in ncclCommInitRank.
                 with torch.cuda.device(self.device):
                     self._comm = nccl.NcclCommunicator(g.size, bytes(uid), g.rank,
-                                                       timeout=_timeout_seconds())
+                                                       timeout=_process.timeout_seconds())
             return self._comm
 
     def stream(self):
@@ -324,9 +322,7 @@ class NcclBackend(Backend):
         NCCL's send and recv block the GPU until their peer's match runs, so a rank's sends
         and receives of one exchange must be grouped, or two ranks that each posted a recv
         first wait for each other forever."""
-        from .._nccl_loader import load
-
-        nccl = load()
+        nccl = _nccl_loader.load()
         nccl.group_start()
         try:
             fn()
@@ -395,7 +391,7 @@ class NcclBackend(Backend):
         work = L.done(True)
         if async_op:
             return work
-        work._handles[0]._event.synchronize()
+        work._event.synchronize()
         work.wait()
         return None
 
