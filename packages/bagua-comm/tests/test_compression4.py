@@ -98,7 +98,7 @@ def test_payload_and_decoding_match_the_numpy_formula(dtype):
 @pytest.mark.parametrize("dtype", list(NP_NAME), ids=lambda d: str(d)[6:])
 def test_cpu_kernels_and_torch_ops_path_write_the_same_bytes(dtype):
     """The CUDA path (torch operations) run on CPU tensors against the Cython kernels."""
-    from bagua_comm import _minmax4
+    from bagua_comm.compression import _minmax4
 
     g = torch.Generator().manual_seed(5)
     for name, x, chunks in _inputs(dtype) + [("big", torch.randn(1 << 16, generator=g)

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import bagua_comm as bc
-from bagua_comm import _minmax4
-from bagua_comm.compression import MinMaxUInt4, MinMaxUInt8
+from bagua_comm.compression import MinMaxUInt4, MinMaxUInt8, _minmax4
 from bagua_comm.testing import cuda_sync_error, run_ranks
 
 pytestmark = pytest.mark.gpu

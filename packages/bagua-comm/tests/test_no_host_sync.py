@@ -14,8 +14,7 @@ import types
 import pytest
 import torch
 
-from bagua_comm import compression
-from bagua_comm.compression import MinMaxUInt8, header_bytes
+from bagua_comm.compression import MinMaxUInt8, _minmax8, header_bytes
 from bagua_comm.testing import HostSyncError, no_host_sync
 
 
@@ -90,7 +89,7 @@ def _kernel(name):
 
 @pytest.fixture
 def cupy_glue_on_cpu(monkeypatch):
-    from bagua_comm import _minmax_cupy as glue
+    from bagua_comm.compression import _minmax_cupy as glue
 
     fake = types.ModuleType("cupy")
     fake.cuda = types.SimpleNamespace(ExternalStream=lambda ptr: _Null())
@@ -113,14 +112,14 @@ class _Null:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_cuda_glue_gives_the_cpu_bytes_without_syncing(cupy_glue_on_cpu, dtype):
     x = _input(dtype, chunks=3, m=50)       # 50 codes: a padded record
-    want = compression._compress(x, 3)
+    want = _minmax8._compress(x, 3)
     with no_host_sync():
         got = cupy_glue_on_cpu.compress(x, 3)
         back = torch.empty(x.numel(), dtype=torch.float32)
         cupy_glue_on_cpu.decompress(got, back, 3, dtype)
     assert torch.equal(got, want)
     ref = torch.empty(x.numel(), dtype=torch.float32)
-    compression._decompress(want, ref, 3, dtype)
+    _minmax8._decompress(want, ref, 3, dtype)
     assert torch.equal(back.isnan(), ref.isnan())
     assert torch.equal(back.nan_to_num(), ref.nan_to_num())
 
@@ -130,9 +129,9 @@ def test_error_feedback_on_the_cuda_path_does_not_sync(cupy_glue_on_cpu, monkeyp
     x = _input(dtype)
     ref = MinMaxUInt8(4, error_feedback=True)
     want = [ref.compress(x, key="k"), ref.compress(x, key="k")]     # the CPU kernels
-    monkeypatch.setattr(compression, "_compress", lambda flat, chunks, payload=None:
+    monkeypatch.setattr(_minmax8, "_compress", lambda flat, chunks, payload=None:
                         cupy_glue_on_cpu.compress(flat, chunks, payload))
-    monkeypatch.setattr(compression, "_decompress", cupy_glue_on_cpu.decompress)
+    monkeypatch.setattr(_minmax8, "_decompress", cupy_glue_on_cpu.decompress)
     c = MinMaxUInt8(4, error_feedback=True)
     mins = torch.tensor([0.0, float("nan"), -1.5, 2.0])
     with no_host_sync():
@@ -148,7 +147,7 @@ def test_error_feedback_on_the_cuda_path_does_not_sync(cupy_glue_on_cpu, monkeyp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_4bit_cuda_glue_gives_the_cpu_bytes_without_syncing(cupy_glue_on_cpu, dtype):
-    from bagua_comm import _minmax4
+    from bagua_comm.compression import _minmax4
 
     x = _input(dtype, chunks=3, m=50)       # 25 code bytes: a padded record
     want = _minmax4._encode_cpu(x, 3, torch.empty(3 * _minmax4.record_bytes4(50),
@@ -169,8 +168,7 @@ def test_4bit_torch_path_gives_the_cpu_bytes_without_syncing(monkeypatch, dtype)
     """MinMaxUInt4's CUDA path is plain torch operations: run here on CPU tensors (with error
     feedback, non-finite chunks included) it must neither synchronise nor differ from the
     Cython kernels' bytes."""
-    from bagua_comm import _minmax4
-    from bagua_comm.compression import MinMaxUInt4
+    from bagua_comm.compression import MinMaxUInt4, _minmax4
 
     x = _input(dtype)
     ref = MinMaxUInt4(4, error_feedback=True)

@@ -17,7 +17,6 @@ import torch
 
 import bagua_comm as bc
 
-
 #: The completion handle of a bucket's communication: bagua_comm's one handle type, which
 #: chains like ``torch.futures.Future`` (``then``, ``wait``, ``value``, ``is_completed``).
 Handle = bc.Work

@@ -36,26 +36,25 @@ import functools
 import numpy as np
 import torch
 
-from .compression import (
-    _KINDS,
+from .. import _minmax
+from . import _minmax_cupy
+from ._error_feedback import _WithErrorFeedback
+from ._format import (
     HEADER_BYTES,
-    RECORD_ALIGN,
-    Compressor,
-    ErrorFeedback,
-    _as_numpy,
-    _lut,
-    _ResidualsByKey,
-    _WithErrorFeedback,
-    header_bytes,
+    KINDS,
+    as_numpy,
+    check_dtype,
+    check_float,
+    check_out,
+    check_payload_fits,
+    lut,
+    read_headers,
+    record_bytes4,
+    write_headers,
 )
 
 LEVELS = 15
 EPS = 1e-7
-
-
-def record_bytes4(chunk_numel: int) -> int:
-    """Bytes of one MinMaxUInt4 record holding ``chunk_numel`` (even) codes."""
-    return HEADER_BYTES + -(-(chunk_numel // 2) // RECORD_ALIGN) * RECORD_ALIGN
 
 
 def _params(mins: torch.Tensor, maxs: torch.Tensor):
@@ -65,7 +64,7 @@ def _params(mins: torch.Tensor, maxs: torch.Tensor):
     return scale, upper, upper - LEVELS
 
 
-class MinMaxUInt4(_WithErrorFeedback, _ResidualsByKey, Compressor):
+class MinMaxUInt4(_WithErrorFeedback):
     """4-bit min-max quantisation in ``chunks`` chunks: about 1/8 of float32's bytes.
 
     Args:
@@ -77,21 +76,10 @@ class MinMaxUInt4(_WithErrorFeedback, _ResidualsByKey, Compressor):
     """
 
     def __init__(self, chunks: int = 1, *, error_feedback: bool = False):
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be a positive int, got {chunks!r}")
-        self.chunks = chunks
-        self.error_feedback = bool(error_feedback)
-        self._ef = ErrorFeedback(MinMaxUInt4(chunks)) if error_feedback else None
+        self._setup(chunks, error_feedback, MinMaxUInt4)
 
     def __repr__(self) -> str:
         return f"MinMaxUInt4(chunks={self.chunks}, error_feedback={self.error_feedback})"
-
-    def _chunks(self, chunks):
-        if chunks is None:
-            return self.chunks
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be a positive int, got {chunks!r}")
-        return chunks
 
     def alignment(self, chunks: int) -> int:
         """Two codes per byte: chunks of an even number of elements."""
@@ -106,16 +94,13 @@ class MinMaxUInt4(_WithErrorFeedback, _ResidualsByKey, Compressor):
     def compress(self, tensor: torch.Tensor, *, chunks: int | None = None,
                  key: str = "default", out: torch.Tensor | None = None) -> torch.Tensor:
         chunks = self._chunks(chunks)
-        _check_float("tensor", tensor)
+        check_float("tensor", tensor, "MinMaxUInt4")
         _check_numel(tensor.numel(), chunks, "tensor")
         flat = tensor.detach().reshape(-1)
         size = chunks * record_bytes4(flat.numel() // chunks)
-        if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.uint8
-                                or out.numel() != size or not out.is_contiguous()
-                                or out.device != flat.device):
-            raise ValueError(f"out must be a contiguous uint8 tensor of {size} bytes on "
-                             f"{flat.device}")
-        if out is None:
+        if out is not None:
+            check_out(out, size, flat.device)
+        else:
             out = torch.empty(size, dtype=torch.uint8, device=flat.device)
         if self._ef is not None:
             return self._ef.compress(tensor, chunks=chunks, key=key, out=out)
@@ -124,20 +109,14 @@ class MinMaxUInt4(_WithErrorFeedback, _ResidualsByKey, Compressor):
     def decompress(self, payload: torch.Tensor, out: torch.Tensor, *,
                    chunks: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         chunks = self._chunks(chunks)
-        _check_float("out", out)
+        check_float("out", out, "MinMaxUInt4")
         dtype = out.dtype if dtype is None else dtype
-        if dtype not in _KINDS:
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        check_dtype(dtype)
         _check_numel(out.numel(), chunks, "out")
         if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 \
                 or not payload.is_contiguous():
             raise ValueError("payload must be a contiguous uint8 torch.Tensor (from compress())")
-        expected = chunks * record_bytes4(out.numel() // chunks)
-        if payload.numel() != expected:
-            raise ValueError(f"payload has {payload.numel()} bytes, but {out.numel()} elements "
-                             f"in {chunks} chunks need {expected}")
-        if payload.device != out.device:
-            raise ValueError(f"payload is on {payload.device} but out is on {out.device}")
+        check_payload_fits(payload, out, chunks, chunks * record_bytes4(out.numel() // chunks))
         if out.dtype is torch.float32:
             _decode(payload.reshape(-1), out.view(-1), chunks, dtype)
         else:
@@ -145,16 +124,6 @@ class MinMaxUInt4(_WithErrorFeedback, _ResidualsByKey, Compressor):
             _decode(payload.reshape(-1), tmp, chunks, dtype)
             out.view(-1).copy_(tmp)
         return out
-
-
-def _check_float(name, t):
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _KINDS:
-        raise ValueError(f"{name} must be float32, float16 or bfloat16 for MinMaxUInt4, "
-                         f"got {t.dtype}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
 
 
 def _check_numel(numel, chunks, name):
@@ -171,8 +140,6 @@ def _cupy_kernels():
         import cupy  # noqa: F401
     except ImportError:
         return None
-    from . import _minmax_cupy
-
     return _minmax_cupy
 
 
@@ -212,31 +179,21 @@ def _encode_torch(flat: torch.Tensor, chunks: int, payload: torch.Tensor) -> tor
     mins = mins.masked_fill(~finite, float("nan"))
     maxs = maxs.masked_fill(~finite, float("nan"))
     out = payload.view(chunks, rec)
-    isz = flat.element_size()
-    out[:, :2 * isz] = header_bytes(mins, maxs, flat.dtype)
-    out[:, 2 * isz:HEADER_BYTES] = 0
+    write_headers(out, mins, maxs, flat.dtype, m // 2)
     out[:, HEADER_BYTES:HEADER_BYTES + m // 2] = q[:, 0::2] | (q[:, 1::2] << 4)
-    out[:, HEADER_BYTES + m // 2:] = 0
     return payload
 
 
 def _encode_cpu(flat: torch.Tensor, chunks: int, payload: torch.Tensor) -> torch.Tensor:
     """The Cython kernels of ``_minmax`` (per chunk: min/max, then encoding; no GIL)."""
-    from . import _minmax
-
     m = flat.numel() // chunks
     rec = record_bytes4(m)
-    rows = payload.view(chunks, rec)
     mins = np.empty(chunks, dtype=np.float32)
     maxs = np.empty(chunks, dtype=np.float32)
-    src = _as_numpy(flat)
-    kind, lut = _KINDS[flat.dtype], _lut(flat.dtype)
-    _minmax.minmax_encode4(src, kind, lut, chunks, mins, maxs, payload.numpy(), rec,
-                           HEADER_BYTES)
-    isz = flat.element_size()
-    rows[:, :2 * isz] = header_bytes(torch.from_numpy(mins), torch.from_numpy(maxs), flat.dtype)
-    rows[:, 2 * isz:HEADER_BYTES] = 0
-    rows[:, HEADER_BYTES + m // 2:] = 0
+    _minmax.minmax_encode4(as_numpy(flat), KINDS[flat.dtype], lut(flat.dtype), chunks, mins,
+                           maxs, payload.numpy(), rec, HEADER_BYTES)
+    write_headers(payload.view(chunks, rec), torch.from_numpy(mins), torch.from_numpy(maxs),
+                  flat.dtype, m // 2)
     return payload
 
 
@@ -244,11 +201,8 @@ def _decode_torch(payload: torch.Tensor, out: torch.Tensor, chunks: int,
                   dtype: torch.dtype) -> None:
     m = out.numel() // chunks
     rec = record_bytes4(m)
-    rows = payload.view(chunks, rec)
-    isz = torch.empty(0, dtype=dtype).element_size()
-    header = rows[:, :2 * isz].contiguous().view(dtype).float()
-    scale, _upper, lower = _params(header[:, 0].contiguous(), header[:, 1].contiguous())
-    codes = rows[:, HEADER_BYTES:HEADER_BYTES + m // 2]
+    scale, _upper, lower = _params(*read_headers(payload, chunks, rec, dtype))
+    codes = payload.view(chunks, rec)[:, HEADER_BYTES:HEADER_BYTES + m // 2]
     q = out.view(chunks, m)
     q[:, 0::2] = (codes & 15).float()
     q[:, 1::2] = (codes >> 4).float()
@@ -257,11 +211,7 @@ def _decode_torch(payload: torch.Tensor, out: torch.Tensor, chunks: int,
 
 def _decode_cpu(payload: torch.Tensor, out: torch.Tensor, chunks: int,
                 dtype: torch.dtype) -> None:
-    from . import _minmax
-
     rec = record_bytes4(out.numel() // chunks)
-    isz = torch.empty(0, dtype=dtype).element_size()
-    header = payload.view(chunks, rec)[:, :2 * isz].contiguous().view(dtype).float()
-    _minmax.decode4(payload.numpy(), rec, HEADER_BYTES, chunks,
-                    header[:, 0].contiguous().numpy(), header[:, 1].contiguous().numpy(),
+    mins, maxs = read_headers(payload, chunks, rec, dtype)
+    _minmax.decode4(payload.numpy(), rec, HEADER_BYTES, chunks, mins.numpy(), maxs.numpy(),
                     out.numpy())

@@ -18,8 +18,8 @@ import functools
 
 import torch
 
-from ._minmax4 import record_bytes4
-from .compression import _KINDS, HEADER_BYTES, header_bytes, record_bytes
+from ._format import HEADER_BYTES, header_bytes, record_bytes, record_bytes4
+from ._format import KINDS as _KINDS
 
 _SOURCE = r"""
 typedef unsigned char u8;
