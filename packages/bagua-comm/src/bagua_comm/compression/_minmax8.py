@@ -11,21 +11,9 @@ import numpy as np
 import torch
 
 from .. import _minmax
-from . import _minmax_cupy
+from . import _format, _minmax_cupy
 from ._error_feedback import _WithErrorFeedback
-from ._format import (
-    HEADER_BYTES,
-    KINDS,
-    as_numpy,
-    check_dtype,
-    check_float,
-    check_out,
-    check_payload_fits,
-    lut,
-    read_headers,
-    record_bytes,
-    write_headers,
-)
+from ._format import HEADER_BYTES, KINDS, as_numpy, lut, read_headers, record_bytes, write_headers
 
 
 class MinMaxUInt8(_WithErrorFeedback):
@@ -67,11 +55,11 @@ class MinMaxUInt8(_WithErrorFeedback):
         added first and the new residual is stored in its place.
         """
         chunks = self._chunks(chunks)
-        check_float("tensor", tensor, "MinMaxUInt8")
+        _format.check_float("tensor", tensor, "MinMaxUInt8")
         _check_divisible(tensor.numel(), chunks, "tensor")
         flat = tensor.detach().reshape(-1)
         if out is not None:
-            check_out(out, chunks * record_bytes(flat.numel() // chunks), flat.device)
+            _format.check_out(out, chunks * record_bytes(flat.numel() // chunks), flat.device)
         if self._ef is not None:
             return self._ef.compress(tensor, chunks=chunks, key=key, out=out)
         return _compress(flat, chunks, out)
@@ -84,15 +72,16 @@ class MinMaxUInt8(_WithErrorFeedback):
         float16/bfloat16 payloads straight into a float32 ``out`` avoids a rounding step.
         """
         chunks = self._chunks(chunks)
-        check_float("out", out, "MinMaxUInt8")
+        _format.check_float("out", out, "MinMaxUInt8")
         dtype = out.dtype if dtype is None else dtype
-        check_dtype(dtype)
+        _format.check_dtype(dtype)
         _check_divisible(out.numel(), chunks, "out")
         if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
             raise ValueError("payload must be a uint8 torch.Tensor (from compress())")
         if not payload.is_contiguous():
             raise ValueError("payload must be contiguous")
-        check_payload_fits(payload, out, chunks, chunks * record_bytes(out.numel() // chunks))
+        _format.check_payload_fits(payload, out, chunks,
+                                   chunks * record_bytes(out.numel() // chunks))
         _decompress(payload.reshape(-1), out.detach().view(-1), chunks, dtype)
         return out
 
