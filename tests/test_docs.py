@@ -83,3 +83,19 @@ def test_readme_says_what_it_measured_and_shows_it():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "python3 -m nox -s demo" in text and "python3 -m nox -t ci" in text
     assert re.search(r"!\[[^\]]+\]\(docs/img/[\w.-]+\.png\)", text), "a picture of the main job"
+
+
+@pytest.mark.parametrize("readme", sorted(ROOT.glob("packages/*/README.md")),
+                         ids=lambda p: p.parent.name)
+def test_package_readme_says_which_torch_to_install_first(readme):
+    """``pip install ./packages/X`` into an environment without torch resolves PyPI's default
+    (CUDA) torch: every README of a package that depends on torch says how to get either build
+    first; one that does not says so."""
+    text = readme.read_text(encoding="utf-8")
+    pyproject = (readme.parent / "pyproject.toml").read_text(encoding="utf-8")
+    deps = re.search(r"^dependencies\s*=\s*\[(.*?)\]", pyproject, flags=re.M | re.S)
+    if deps and '"torch' in deps.group(1):
+        assert "--index-url https://download.pytorch.org/whl/cpu" in text, readme
+        assert "`pip install torch`" in text, readme
+    else:
+        assert "needs no torch" in text, readme
