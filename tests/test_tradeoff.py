@@ -94,9 +94,13 @@ def test_quick_map_on_the_testbed_measures_latency_and_names_a_winner_per_cell(t
     assert delayed and all(x["delay_line"]["packets"] > 0
                            and x["delay_line"]["late_over_5ms"] == 0
                            and x["delay_line"]["late_over_1ms_frac"] < 0.05 for x in delayed)
-    # 5 ms each way costs DDP at least one round trip per step more than no delay.
+    # 5 ms each way: every DDP step waits for its allreduce to cross the line there and back,
+    # so no step can be shorter than the 10 ms round trip. Load only lengthens steps, so this
+    # floor holds on a busy machine (a difference of two loaded step times does not: "at least
+    # 10 ms slower than at 0 ms" once saw 5.7 ms); the delay must still show against no delay.
     ddp = {x["latency_ms"]: x["step_s"] for x in e2e["runs"] if x["algorithm"] == "ddp"}
-    assert ddp[5] > ddp[0] + 0.010, ddp
+    assert ddp[5] >= 0.010, ddp
+    assert ddp[5] > ddp[0], ddp
 
 
 def test_the_auto_row_scores_the_choice_and_never_wins_a_cell(tmp_path):
