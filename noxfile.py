@@ -15,8 +15,9 @@
                                  (not in CI: old torch on PyPI is a multi-GB CUDA build)
 
 Arguments after ``--`` reach pytest (or the benchmark script).  Torch is always installed
-first from ``BAGUA_NOX_TORCH`` (default ``torch==2.13.0``: the local CPU wheel here), so no
-unpinned requirement can pull a CUDA build.
+first from ``BAGUA_NOX_TORCH`` (default ``torch==2.13.0``, from pip's configured index:
+set ``PIP_INDEX_URL=https://download.pytorch.org/whl/cpu`` for the CPU build), so no unpinned
+requirement can pull a CUDA build.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import nox
 
 ROOT = Path(__file__).parent
 PACKAGES = ["bagua-comm", "bagua-algos", "bagua-optim", "bagua-data", "bagua-net"]
-# Siblings each package needs, installed by path before it (DESIGN.md section 2).
+# Siblings each package needs, installed by path before it (docs/design.md section 2).
 # bagua-optim is bagua-algos' optional extra; its tests use it (QAdam with fuse_optimizer).
 SIBLINGS = {"bagua-algos": ["bagua-comm", "bagua-optim"]}
 TORCH = os.environ.get("BAGUA_NOX_TORCH", "torch==2.13.0")
@@ -205,6 +206,8 @@ def integration(session: nox.Session) -> None:
     # lightning: examples/lightning_train.py; ft: the restart-free kill-and-heal scenario
     # (tests/test_ft.py; its longer fault scenarios are marked slow: `nox -s ft` runs them)
     session.install(f"{_pkg('bagua-algos')}[lightning,ft]")
+    # accelerate: examples/accelerate_bytegrad.py (ByteGrad through DDP's comm hook)
+    session.install("accelerate")
     _pytest(session, "tests")
 
 
@@ -223,7 +226,7 @@ def ft(session: nox.Session) -> None:
 
 @nox.session(tags=["ci"])
 def lint(session: nox.Session) -> None:
-    """ruff, cython-lint, and import-linter contracts for DESIGN.md's allowed dependencies."""
+    """ruff, cython-lint, and import-linter (the dependency rules of docs/design.md section 2)."""
     session.install("ruff", "cython-lint", "import-linter")
     session.run("ruff", "check", ".")
     pyx = sorted(str(p) for p in ROOT.glob("packages/*/src/**/*.pyx"))

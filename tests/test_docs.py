@@ -99,3 +99,14 @@ def test_package_readme_says_which_torch_to_install_first(readme):
         assert "`pip install torch`" in text, readme
     else:
         assert "needs no torch" in text, readme
+
+
+def test_no_reference_to_a_design_file_outside_the_repository():
+    """The contract is docs/design.md, in the nav; nothing points at a file users cannot see."""
+    assert "design.md" in (ROOT / "mkdocs.yml").read_text()
+    files = [p for p in ROOT.rglob("*") if p.is_file() and ".git" not in p.parts
+             and p.suffix in {".md", ".py", ".pyx", ".toml", ".yml", ".cfg", ""}
+             and "site" not in p.parts and p.name != Path(__file__).name]
+    offenders = [str(p.relative_to(ROOT)) for p in files
+                 if re.search(r"DESIGN(\.md| §| defaults| contract)", p.read_text(errors="ignore"))]
+    assert not offenders, offenders

@@ -1,4 +1,4 @@
-"""The five packages installed together: metadata matches DESIGN.md section 2's dependency rules."""
+"""The five packages installed together: metadata matches docs/design.md section 2's dependency rules."""
 
 import importlib
 import importlib.metadata as md
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 PACKAGES = ["bagua-comm", "bagua-algos", "bagua-optim", "bagua-data", "bagua-net"]
-# DESIGN.md section 2: what each package may require at run time (extras aside).
+# docs/design.md section 2: what each package may require at run time (extras aside).
 ALLOWED = {
     "bagua-comm": {"torch", "numpy"},
     "bagua-algos": {"bagua-comm", "torch"},

@@ -37,7 +37,7 @@ SYNC_ROWS = ("local_sgd", "diloco", "diloco_u8", "diloco_u4", "ft_diloco")
 # gives it its own H (a 4-bit sync costs 1/8 of the allreduce, so it can sync ~8x as often)
 OUTER_BYTES = {"diloco_u8": 1 / 4, "diloco_u4": 1 / 8}
 # The full run's sweep of DiLoCo's H around the rule's choice (rows "diloco@x0.5" ...; a row
-# "diloco@64" fixes H=64): DESIGN's H is a knob the user picks, so the main job shows how time
+# "diloco@64" fixes H=64): DiLoCo's H is a knob the user picks, so the main job shows how time
 # to DDP's loss and bytes move with it instead of one point.
 SYNC_SWEEP = ("x0.5", "x2", "x4")
 

@@ -8,9 +8,9 @@ after the same number of samples.
 
 2 ranks, batch 32 per rank, an MLP (64-128-10), Adam(lr=3e-3) as the (inner) optimizer,
 30 epochs of each rank's half of the training split (75 %), accuracy on the held-out 25 %.
-The DDP row is ``GradientAllReduce`` (DDP's maths bit for bit, DESIGN §5).  Every row of a
+The DDP row is ``GradientAllReduce`` (DDP's maths bit for bit, docs/design.md §5).  Every row of a
 seed starts from the same weights and sees the same batches.  DiLoCo runs twice per H: at
-the DESIGN defaults (outer_lr 0.7, Nesterov momentum 0.9) and at the tuned outer settings
+DiLoCo's defaults (outer_lr 0.7, Nesterov momentum 0.9) and at the tuned outer settings
 (``--outer-lr``/``--outer-momentum``, default 0.7 / 0.5, picked by ``--sweep``).  Exits 1 if
 the tuned DiLoCo's mean accuracy is more than 1 point below DDP's (the issue's target).
 """
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BATCH, EPOCHS, LR = 32, 30, 3e-3
-# Picked by `--sweep` (docs/algorithms/diloco.md): the DESIGN default outer_lr, momentum 0.5.
+# Picked by `--sweep` (docs/algorithms/diloco.md): the default outer_lr, momentum 0.5.
 TUNED_LR, TUNED_MOMENTUM = 0.7, 0.5
 
 
@@ -78,7 +78,7 @@ def grid(text: str, cast) -> list:
 
 
 def rows_for(args) -> dict:
-    """Row name -> (registry name, kwargs).  The DDP row first; DiLoCo at the DESIGN defaults
+    """Row name -> (registry name, kwargs).  The DDP row first; DiLoCo at DiLoCo's defaults
     and at the tuned outer settings for every H; LocalSGD per H; then any sweep grid."""
     rows = {"ddp": ("gradient_allreduce", {})}
     for h in grid(args.sync_every, int):

@@ -1,4 +1,4 @@
-"""A single-process simulation of DiLoCo's ranks, written from DESIGN §5 (not from the
+"""A single-process simulation of DiLoCo's ranks, written from docs/design.md §5 (not from the
 implementation): each simulated rank has its own model and inner optimizer; the outer step is
 a ``torch.optim.SGD`` per fragment on the anchor with the mean outer gradient."""
 

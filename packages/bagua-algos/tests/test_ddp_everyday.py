@@ -1,7 +1,7 @@
 """A DDP user's everyday training loops, run with torch DDP and with
 ``with_bagua(..., GradientAllReduce())`` on the same seeds (2 gloo ranks): the parameters, the
 optimizer state and the GradScaler's scale after every scenario equal DDP's bit for bit
-(DESIGN §5, "DDP parity").  The same loops with the compressing algorithms set to lose
+(docs/design.md §5, "DDP parity").  The same loops with the compressing algorithms set to lose
 nothing: TopK sending every entry equals DDP bit for bit too, LowRank at full rank up to
 rounding; so what the loops exercise around the compression (buffers, unused parameters,
 GradScaler, accumulation, several optimizers) is DDP's."""

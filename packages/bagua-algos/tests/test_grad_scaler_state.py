@@ -1,4 +1,4 @@
-"""Error-feedback state under ``torch.amp.GradScaler`` (DESIGN §5, "DDP parity": a step
+"""Error-feedback state under ``torch.amp.GradScaler`` (docs/design.md §5, "DDP parity": a step
 skipped on one rank included).  An overflow on one rank makes the scaler skip that step on
 every rank; TopK's residuals and DGC velocities and LowRank's residuals and Q must keep
 nothing of it, as DDP keeps nothing.  The reference is the same run in which that step never

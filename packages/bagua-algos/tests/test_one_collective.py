@@ -1,4 +1,4 @@
-"""One collective per training step (DESIGN.md §5, "DDP parity"): the "did any rank give this
+"""One collective per training step (docs/design.md §5, "DDP parity"): the "did any rank give this
 tensor a gradient" flags ride in the last bucket's allreduce instead of a collective of their
 own, for GradientAllReduce (fp32, fp16 and bf16 buckets, across no_sync() accumulation) and
 the averaging warmup steps of QAdam and AsyncModelAverage, LowRank and TopK; ByteGrad, whose compressed
