@@ -41,6 +41,7 @@ def _torchrun(script: str, tmp_path, *args) -> str:
 def test_fused_optimizer_example_alone(tmp_path):
     out = _alone("fused_optimizer.py", "bagua_optim", tmp_path)
     assert "bit-identical parameters: True; checkpoint loads unfused: True" in out
+    assert "fused AdamW: step 20/20" in out and "1 thread(s)" in out     # progress, one thread
 
 
 def test_load_balanced_sampler_example_alone(tmp_path):
