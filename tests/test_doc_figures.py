@@ -1,0 +1,128 @@
+"""One source for every figure the documentation quotes: docs/results.json.
+
+A *quoted figure* is a number in prose followed by a unit of something measured: ``x`` (a
+ratio), ``ms``, ``s``, ``%``, ``MB/s``, ``GB/s``, ``Mbit/s`` or ``samples/s`` (``0.47x``,
+``27.3 s``, ``1.5-2.3x``). Prose is a page's text outside fenced code blocks, inline code spans
+and link targets; image alt text and tables count. The pages are README.md, docs/**/*.md and
+packages/*/README.md.
+
+docs/results.json lists, per page, every figure that page quotes, and names the runs behind the
+headline figures. A page that quotes a figure not in the file fails, and so does an entry no page
+quotes any more: after re-running a benchmark, update the page and the file together
+(``python tests/test_doc_figures.py --update`` rewrites the per-page lists from the pages; the
+headline entries are edited by hand, with the run they come from).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results.json"
+PAGES = ([ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
+         + sorted(ROOT.glob("packages/*/README.md")))
+FIGURE = re.compile(r"(?<![\w.\-/])(\d+(?:[.,]\d+)*(?:\s*[-\u2013]\s*\d+(?:\.\d+)?)?)\s?"
+                    r"(x|ms|s|%|MB/s|GB/s|Mbit/s|samples/s)(?![\w/])")
+NUMBER_WORDS = {6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten", 11: "eleven",
+                12: "twelve"}
+
+
+def prose(text: str) -> str:
+    text = re.sub(r"^\s*```.*?^\s*```", "", text, flags=re.S | re.M)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return re.sub(r"\]\([^)]*\)", "]", text)
+
+
+def figures(page: Path) -> list[str]:
+    """The quoted figures of a page, in order of first appearance, each once."""
+    found = [re.sub(r"\s+", " ", m.group(0)) for m in FIGURE.finditer(prose(page.read_text()))]
+    return list(dict.fromkeys(found))
+
+
+def _name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def test_parser():
+    probe = ROOT / "docs" / "_probe_figures.md"
+    try:
+        probe.write_text("in **0.47x DDP's time** (27.3 s), 1.8-2.3x, 90 %\n"
+                         "`--wall-seconds 5s` [a](b.md#x-2x) v0.3.0 8x8 matrix 12 samples/s\n"
+                         "```\n3.09x\n```\n")
+        assert figures(probe) == ["0.47x", "27.3 s", "1.8-2.3x", "90 %", "12 samples/s"]
+    finally:
+        probe.unlink()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_every_quoted_figure_is_in_results_json(page):
+    listed = json.loads(RESULTS.read_text())["pages"].get(_name(page), [])
+    quoted = figures(page)
+    missing = [f for f in quoted if f not in listed]
+    assert not missing, (f"{_name(page)} quotes figures that docs/results.json does not list: "
+                         f"{missing}")
+    stale = [f for f in listed if f not in quoted]
+    assert not stale, f"docs/results.json lists figures {_name(page)} no longer quotes: {stale}"
+
+
+def test_headline_figures_name_their_run_and_appear_where_said():
+    results = json.loads(RESULTS.read_text())
+    for key, h in results["headline"].items():
+        run = results["runs"][h["run"]]
+        assert run["command"].startswith("python benchmarks/") and run["date"], key
+        for page in h["quoted_on"]:
+            assert h["value"] in figures(ROOT / page), f"{page} does not quote {key}={h['value']}"
+
+
+def test_bytegrad_has_one_speed_up():
+    """ByteGrad's time to DDP's loss is one number from one run wherever the docs give it; the
+    figures of older runs and the other direction ("2.14x", "1.55x sooner") are gone."""
+    value = json.loads(RESULTS.read_text())["headline"]["bytegrad_time_to_ddp_loss"]["value"]
+    for page in PAGES:
+        text = prose(page.read_text())
+        for sentence in re.split(r"(?<=[.:;])\s|\n\n", text):
+            if "ByteGrad" in sentence and "DDP's time" in sentence and "in that run" not in sentence:
+                said = re.findall(r"(\d+\.\d+x) DDP's time", sentence)
+                assert all(s == value for s in said if "ByteGrad" in sentence.split(s)[0][-80:]), (
+                    _name(page), sentence)
+        for old in ("2.09x", "2.13x", "2.14x", "3.09x", "1.55x sooner"):
+            assert old not in text, f"{_name(page)} still quotes ByteGrad's older {old}"
+
+
+def test_ratios_against_ddp_go_one_way():
+    """Times are quoted as a multiple of DDP's ("0.47x DDP's time", < 1: sooner), never the
+    other way round ("2.14x sooner", "DDP's / row's")."""
+    other_way = re.compile(r"\d(?:\.\d+)?x sooner|DDP's / row's|DDP's time divided by|TTA xDDP"
+                           r"|speed-up over DDP")
+    bad = [(_name(p), m.group(0)) for p in PAGES for m in other_way.finditer(prose(p.read_text()))]
+    assert not bad, bad
+
+
+def test_the_number_of_algorithms_is_said_one_way():
+    sys.path[:0] = [str(ROOT / "packages" / "bagua-algos" / "src"),
+                    str(ROOT / "packages" / "bagua-comm" / "src")]
+    import bagua_algos  # noqa: F401  (registers the algorithms)
+    from bagua_algos.algorithm import _REGISTRY
+
+    word = NUMBER_WORDS[len(_REGISTRY)]
+    said = re.compile(r"\b(\w+)\s+(?:registered\s+)?algorithms\b|\bAll (\w+) run\b", re.I)
+    counts = set(NUMBER_WORDS.values())
+    wrong = [(_name(p), m.group(0)) for p in PAGES for m in said.finditer(prose(p.read_text()))
+             if (m.group(1) or m.group(2) or "").lower() in counts | {str(n) for n in NUMBER_WORDS}
+             and (m.group(1) or m.group(2)).lower() != word]
+    assert not wrong, f"the registry holds {word} algorithms: {wrong}"
+
+
+def _update() -> None:
+    results = json.loads(RESULTS.read_text())
+    results["pages"] = {_name(p): figures(p) for p in PAGES if figures(p)}
+    RESULTS.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+
+
+if __name__ == "__main__" and "--update" in sys.argv:
+    _update()
