@@ -126,3 +126,35 @@ def _update() -> None:
 
 if __name__ == "__main__" and "--update" in sys.argv:
     _update()
+
+
+def test_headline_matches_its_run():
+    results = json.loads(RESULTS.read_text())
+    h = results["headline"]["bytegrad_time_to_ddp_loss"]
+    row = results["runs"][h["run"]]["rows"]["bytegrad"]
+    assert h["value"] == f"{row['x_ddp_time']:.2f}x"
+
+
+def test_record_results_writes_a_run(tmp_path):
+    """benchmarks/_record_results.py turns an e2e JSON into a run entry: each row's time to
+    DDP's loss and its multiple of DDP's time in the same cell."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _record_results import record
+
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"runs": {}, "headline": {}, "pages": {}}))
+    report = {"runs": [
+        {"algorithm": "ddp", "status": "ok", "bandwidth_mbit": 100, "latency_ms": 0,
+         "time_to_ddp_loss_s": 58.6},
+        {"algorithm": "bytegrad", "status": "ok", "bandwidth_mbit": 100, "latency_ms": 0,
+         "time_to_ddp_loss_s": 27.3},
+        {"algorithm": "topk", "status": "ok", "bandwidth_mbit": 100, "latency_ms": 0,
+         "time_to_ddp_loss_s": None},
+        {"algorithm": "async", "status": "unavailable", "bandwidth_mbit": 100, "latency_ms": 0}]}
+    rec = record(report, "r", "python benchmarks/e2e.py --quick", "test", "2026-11-28", results)
+    assert rec["rows"] == {"ddp": {"time_to_ddp_loss_s": 58.6, "x_ddp_time": 1.0},
+                           "bytegrad": {"time_to_ddp_loss_s": 27.3, "x_ddp_time": 0.47},
+                           "topk": {"time_to_ddp_loss_s": None, "x_ddp_time": None}}
+    assert json.loads(results.read_text())["runs"]["r"]["command"].startswith("python")
+    with pytest.raises(ValueError, match="command"):
+        record(report, "r", "e2e", "test", "2026-11-28", results)
