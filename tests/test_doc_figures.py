@@ -136,9 +136,9 @@ def test_headline_matches_its_run():
 
 
 def test_record_results_writes_a_run(tmp_path):
-    """benchmarks/_record_results.py turns an e2e JSON into a run entry: each row's time to
+    """benchmarks/e2e/_record_results.py turns an e2e JSON into a run entry: each row's time to
     DDP's loss and its multiple of DDP's time in the same cell."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "e2e"))
     from _record_results import record
 
     results = tmp_path / "results.json"

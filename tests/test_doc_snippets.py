@@ -43,7 +43,7 @@ SETUPS = {
         import bagua_comm as bc
         import bagua_algos
         from bagua_algos import GradientAllReduce, with_bagua
-        bc.init_process_group(timeout=timedelta(seconds=60))
+        bc.init_process_group(timeout=timedelta(seconds=180))
         rank, world_size = bc.get_rank(), bc.get_world_size()
     """,
     # a small classifier, its optimizer, a loss and a loader of (x, y) batches
@@ -225,10 +225,14 @@ def _free_port_range(n: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def outcomes():
+def outcomes(request):
     from bagua_comm.testing import run_ranks
 
-    todo = [(ident, setup, code) for ident, setup, skip, code in BLOCKS if skip is None]
+    # only the blocks whose test was selected (-k), all of them otherwise
+    selected = {item.callspec.params["ident"] for item in request.session.items
+                if getattr(item, "callspec", None) and "ident" in item.callspec.params}
+    todo = [(ident, setup, code) for ident, setup, skip, code in BLOCKS
+            if skip is None and ident in selected]
     port0 = _free_port_range(len(todo))
     env = {"MASTER_ADDR": "127.0.0.1", "PYTHONWARNINGS": "ignore"}
     per_rank = run_ranks(_run_all, 2, args=(todo, port0), init=False, env=env, timeout=600)

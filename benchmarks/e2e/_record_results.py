@@ -2,7 +2,7 @@
 """Record a main-job run in docs/results.json, the one source of the figures the docs quote.
 
     python benchmarks/e2e.py --hosts 4 --procs-per-host 1 --bandwidths 100 --json out/e2e/full.json
-    python benchmarks/_record_results.py out/e2e/full.json --run main-job-4hosts-100mbit-2026-11-25 \\
+    python benchmarks/e2e/_record_results.py out/e2e/full.json --run main-job-4hosts-100mbit-2026-11-25 \\
         --command "python benchmarks/e2e.py --hosts 4 ..." --machine "2-core VM, load about 4"
 
 Writes ``runs[RUN]`` with the command, the date, the machine, and per row (``algorithm``, with
@@ -19,7 +19,7 @@ import datetime
 import json
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results.json"
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results.json"
 
 
 def summarize(report: dict) -> dict:
