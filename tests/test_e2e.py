@@ -56,7 +56,7 @@ def test_e2e_writes_every_field_and_ddp_traffic_matches_a_ring_allreduce(tmp_pat
     report, stdout = _run(tmp_path, "--bandwidths", "100", "--latency-ms", "2",
                           "--algorithms", "ddp,gradient_allreduce,no_such_algorithm")
     runs = {r["algorithm"]: r for r in report["runs"]}
-    assert list(runs) == ["ddp", "gradient_allreduce", "no_such_algorithm"]
+    assert list(runs) == ["ddp", "alone", "gradient_allreduce", "no_such_algorithm"]
     for r in report["runs"]:
         assert set(REQUIRED) <= set(r)
         assert r["bandwidth_mbit"] == (100 if report["testbed"]["used"] else None)
@@ -145,7 +145,8 @@ def test_e2e_without_a_testbed_says_so_and_runs_over_loopback(tmp_path):
     report, stdout = _run(tmp_path, "--no-testbed", "--algorithms", "ddp")
     assert report["testbed"]["used"] is False
     assert "NO TESTBED" in stdout
-    [run] = report["runs"]
+    run, alone = report["runs"]
+    assert alone["algorithm"] == "alone"
     assert run["bandwidth_mbit"] is None and run["status"] == "ok"
     assert run["bytes_source"] == "accounted"
     assert all(run[k] is not None for k in REQUIRED if k != "bandwidth_mbit")
@@ -212,6 +213,8 @@ def _check_every_field(report: dict, hosts: int, procs: int) -> dict:
         assert r["world_size"] == hosts * procs and r["procs_per_host"] == procs
         # Every figure measures the algorithm doing its job: it communicated in its window.
         if split_row(name)[0] in SYNC_ROWS:   # talk every sync_every steps (diloco_u4 too)
+            continue
+        if name == "alone":                  # the floor: never talks (test_e2e_depth.py)
             continue
         if (r.get("auto_choice") or {}).get("algorithm") in SYNC_ROWS:   # auto chose DiLoCo
             continue
@@ -281,7 +284,7 @@ def test_diloco_sweep_rows_run_their_own_h_and_send_one_model_per_h_steps(tmp_pa
     report, _ = _run(tmp_path, "--no-testbed", "--steps", "8", "--sync-every", "2",
                      "--algorithms", "ddp,diloco,diloco@x2,diloco@8,diloco_u4@4")
     runs = {r["algorithm"]: r for r in report["runs"]}
-    assert list(runs) == ["ddp", "diloco", "diloco@x2", "diloco@8", "diloco_u4@4"]
+    assert list(runs) == ["ddp", "alone", "diloco", "diloco@x2", "diloco@8", "diloco_u4@4"]
     assert [runs[a]["sync_every"] for a in ("diloco", "diloco@x2", "diloco@8")] == [2, 4, 8]
     ddp_bytes = runs["ddp"]["bytes_per_step_accounted"]   # one gradient allreduce per step
     for name in ("diloco", "diloco@x2", "diloco@8"):

@@ -22,8 +22,12 @@ TORCH_ROWS = ("ddp", "ddp_fp16", "ddp_powersgd")
 HOOK_ROWS = ("ddp_bytegrad_hook",)     # torch DDP + bagua_algos.ddp_hooks
 HIERARCHICAL = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized",
                 "topk")
-DEFAULT_ROWS = ["ddp", "ddp_fp16", "ddp_powersgd", "ddp_bytegrad_hook", "gradient_allreduce",
-                "bytegrad",
+# "alone": every rank trains on its own shard, no communication at all (no wrapper, zero
+# bytes): the floor every algorithm must beat, and what picks the headline target (the first
+# of DDP's losses it cannot reach)
+ALONE = "alone"
+DEFAULT_ROWS = ["ddp", ALONE, "ddp_fp16", "ddp_powersgd", "ddp_bytegrad_hook",
+                "gradient_allreduce", "bytegrad",
                 "bytegrad_flat", "decentralized", "decentralized_shift_one",
                 "low_precision_decentralized", "async", "qadam", "local_sgd", "diloco", "diloco_u4",
                 "ft_diloco",
@@ -33,6 +37,10 @@ DEFAULT_ROWS = ["ddp", "ddp_fp16", "ddp_powersgd", "ddp_bytegrad_hook", "gradien
 # Communicate every sync_every steps (sync_every_for); ft_diloco (torchft's DiLoCo, the peer:
 # benchmarks/e2e/_e2e_ft.py) runs with the sync_every the diloco row chose.
 SYNC_ROWS = ("local_sgd", "diloco", "diloco_u8", "diloco_u4", "ft_diloco")
+# Rows whose ranks hold different models (most of the time): their held-out loss is the mean
+# over the ranks' models, labelled as such in the table and the JSON (``loss_over``)
+SEPARATE_MODELS = (ALONE, "decentralized", "decentralized_shift_one",
+                   "low_precision_decentralized", "async", *SYNC_ROWS)
 # A compressed DiLoCo row's outer-gradient bytes per sync as a fraction of float32's: the rule
 # gives it its own H (a 4-bit sync costs 1/8 of the allreduce, so it can sync ~8x as often)
 OUTER_BYTES = {"diloco_u8": 1 / 4, "diloco_u4": 1 / 8}
@@ -171,6 +179,8 @@ def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2, warmup: 
     """The short mode description printed in the table's ``mode`` column."""
     if row == "ddp":
         return "built-in"
+    if row == ALONE:
+        return "no communication"
     if row == "ddp_fp16":
         return "fp16 hook"
     if row == "ddp_powersgd":

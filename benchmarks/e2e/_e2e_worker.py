@@ -32,8 +32,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _e2e_model import MarkovText, lm_loss, make_model, num_params
 from _e2e_rows import (
+    ALONE,
     HOOK_ROWS,
     OUTER_BYTES,
+    SEPARATE_MODELS,
     SYNC_ROWS,
     TORCH_ROWS,
     AllReduceCounter,
@@ -54,6 +56,8 @@ class Unavailable(Exception):
 
 def _build(name: str, model, args, harness):
     """``(wrapped_model, optimizer)`` for row ``name`` (raises :class:`Unavailable`)."""
+    if name == ALONE:      # the floor: the bare model, each rank on its own shard, no bytes
+        return model, torch.optim.Adam(model.parameters(), lr=args.lr)
     if name == "ft_diloco":           # torchft's DiLoCo, the peer of our diloco row
         from _e2e_ft import FtDiLoCoRow
         from _e2e_ft import Unavailable as FtUnavailable
@@ -367,6 +371,10 @@ def _combine(name: str, recs: list[dict], args, params: int, world: int) -> dict
         "sync_every": args.chosen_sync_every if split_row(name)[0] in SYNC_ROWS else None,
         "auto_choice": args.auto_choice if name == "auto" else None,
         "loss": sum(r["eval_loss"] for r in recs) / len(recs),
+        # which model the held-out loss is of: the ranks' different models, averaged
+        "loss_over": "mean of the ranks' models" if split_row(name)[0] in SEPARATE_MODELS or (
+            (args.auto_choice or {}).get("algorithm") in SEPARATE_MODELS and name == "auto")
+        else "the model (identical on every rank)",
         "train_loss": sum(c[1] for c in curve[max(0, args.steps - 5):args.steps]) / min(
             5, args.steps),
         "wall_s": args.wall_seconds, "budget_s": max(r["budget_s"] for r in recs),

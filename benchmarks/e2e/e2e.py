@@ -47,7 +47,7 @@ from _e2e_report import (  # noqa: E402
     table,
     verdict,
 )
-from _e2e_rows import SYNC_SWEEP, default_rows, split_row  # noqa: E402
+from _e2e_rows import ALONE, SYNC_SWEEP, default_rows, split_row  # noqa: E402
 
 WORKER = str(HERE / "_e2e_worker.py")
 QUICK = {"bandwidths": "100", "size": "small", "steps": 6, "wall_seconds": 4.0, "hosts": 2,
@@ -161,6 +161,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     if "ddp" not in args.algorithms:
         args.algorithms.insert(0, "ddp")  # every ratio is against DDP from the same run
+    if ALONE not in args.algorithms:      # the floor, in every cell: picks the headline target
+        args.algorithms.insert(args.algorithms.index("ddp") + 1, ALONE)
     sweep = args.sync_sweep
     if sweep is None:
         sweep = "" if args.quick or args.sync_every else ",".join(SYNC_SWEEP)

@@ -30,7 +30,7 @@ from _e2e_rows import planned_steps
 #: on 4 hosts (2-12% of packets > 1 ms late); at 300 Mbit/s it kept up (<= 0.23% late).
 GRID = {"bandwidths": "10,100,300", "latencies": "0,5,50", "hosts": "4"}
 QUICK = {"bandwidths": "100", "latencies": "0,5", "hosts": "2", "size": "tiny", "steps": "4",
-         "wall-seconds": "1", "algorithms": "ddp,gradient_allreduce,bytegrad,decentralized"}
+         "wall-seconds": "1", "algorithms": "ddp,alone,gradient_allreduce,bytegrad,decentralized"}
 AUTO_ROW = {"decentralized": "decentralized_shift_one"}  # the rule's pick -> e2e's row
 
 
@@ -88,6 +88,9 @@ def build_map(report: dict, exclude=()) -> list[dict]:
         entry = {"bandwidth_mbit": c[0], "latency_ms": c[1], "label": cell_label(c),
                  "times_s": times, "winner": None, "margin": None, "winner_vs_ddp": None,
                  "auto": None, "auto_vs_best": None,
+                 # the floor (every rank alone, no communication): its time / the winner's
+                 # (None: it never reached the target; < 1 would mean not talking wins)
+                 "alone_vs_best": None,
                  "delay_line": next((r.get("delay_line") for r in runs), None),
                  # steps each row took to DDP's loss / DDP's N: what recommend's
                  # STEPS_FACTOR estimates (None: never reached it)
@@ -97,6 +100,8 @@ def build_map(report: dict, exclude=()) -> list[dict]:
             entry["margin"] = reached[1][0] / reached[0][0] if len(reached) > 1 else None
             if times.get("ddp"):
                 entry["winner_vs_ddp"] = times["ddp"] / reached[0][0]
+            if times.get("alone"):
+                entry["alone_vs_best"] = times["alone"] / reached[0][0]
         if ddp is not None:
             entry["auto"], t = _auto_time(runs, times, c, ddp, params)
             if entry["auto"] in exclude:
@@ -132,6 +137,9 @@ def heatmap(entries: list[dict], path: Path, title: str = "") -> Path | None:
         if e["auto"]:
             vs = e["auto_vs_best"]
             text += f"\nauto: {e['auto']}" + (f" ({vs:.2f}x best)" if vs else " (never)")
+        if "alone" in e["times_s"]:
+            vs = e.get("alone_vs_best")
+            text += "\nalone: " + (f"{vs:.2f}x best" if vs else "never")
         if e["delay_line"] and not e["delay_line"].get("kept_up", True):
             text += "\n(delay line fell behind)"
         ax.text(x, y, text, ha="center", va="center", fontsize=7)
@@ -183,7 +191,8 @@ def main(argv=None) -> int:
                                      "plot": str(png) if png else None}, indent=1))
     for e in entries:
         print(f"{e['label']:>20}: winner {e['winner']} (margin {e['margin']}), "
-              f"auto {e['auto']} ({e['auto_vs_best']}x best)")
+              f"auto {e['auto']} ({e['auto_vs_best']}x best), "
+              f"alone {e['alone_vs_best'] or 'never'}{'x best' if e['alone_vs_best'] else ''}")
     print(f"json: {args.json}; plot: {png}")
     return 0
 
