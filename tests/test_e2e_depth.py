@@ -51,3 +51,87 @@ def test_the_alone_row_is_in_every_run_and_sends_zero_bytes(report):
     # each rank trained its own model: the loss says it is the mean over them
     assert alone["loss_over"] == "mean of the ranks' models"
     assert runs["ddp"]["loss_over"] == "the model (identical on every rank)"
+
+
+def _curve(losses, dt=1.0):
+    """An evaluation curve [step, seconds, loss] with one evaluation per step."""
+    return [[k + 1, (k + 1) * dt, v] for k, v in enumerate(losses)]
+
+
+def _synthetic_runs():
+    """DDP falls 4.0 -> 1.0 over 16 steps; ``alone`` falls as fast at first, then stalls at
+    2.5 (its ranks never see each other's data); ``fast`` follows DDP at half its time."""
+    ddp = [4.0 - 3.0 * k / 15 for k in range(16)]
+    alone = [max(2.5, v) for v in ddp] + [2.5] * 40
+    base = {"status": "ok", "bandwidth_mbit": 100, "latency_ms": 0, "compute_s": 0.25}
+    return [{**base, "algorithm": "ddp", "eval_curve": _curve(ddp)},
+            {**base, "algorithm": "alone", "eval_curve": _curve(alone, 0.5)},
+            {**base, "algorithm": "fast", "eval_curve": _curve(ddp, 0.5)},
+            {**base, "algorithm": "stuck", "eval_curve": _curve([4.0] * 20)},
+            {"algorithm": "gone", "status": "unavailable", "bandwidth_mbit": 100,
+             "latency_ms": 0}]
+
+
+def test_the_headline_is_the_first_target_alone_does_not_reach():
+    from _e2e_targets import add_targets, depth_steps, pick_headline
+
+    steps = depth_steps(8, "0.25,0.5,1,2")
+    assert steps == [2, 4, 8, 16]
+    runs = _synthetic_runs()
+    targets, headline, why = add_targets(runs, steps)
+    assert [t["name"] for t in targets] == ["ddp@2", "ddp@4", "ddp@8", "ddp@16"]
+    # DDP's loss after 2, 4, 8 and 16 steps; alone gets to 2.5, i.e. to DDP's loss after 8
+    # steps (2.6) but not after 16 (1.0)
+    alone = runs[1]
+    assert alone["steps_to_target"] == {"ddp@2": 2, "ddp@4": 4, "ddp@8": 8, "ddp@16": None}
+    assert headline == "ddp@16" and "does not reach" in why and "ddp@8" in why
+    assert alone["time_to_target_s"]["ddp@16"] is None and alone["efficiency"] is None
+    # a row that did not run has every target, unreached
+    assert runs[4]["steps_to_target"] == dict.fromkeys(alone["steps_to_target"])
+    assert runs[4]["efficiency"] is None
+    # a deeper alone (no plateau): every target reached, the deepest is the headline and
+    # the output says so; no alone row at all: the middle target, said so
+    runs[1]["steps_to_target"] = {t["name"]: 1 for t in targets}
+    name, why = pick_headline(targets, runs)
+    assert name == "ddp@16" and "every target" in why
+    name, why = pick_headline(targets, [r for r in runs if r["algorithm"] != "alone"])
+    assert name == "ddp@8" and "no 'alone' row" in why
+    for bad in ("", "0,1", "-1", "a,b"):
+        with pytest.raises(ValueError, match="--depths"):
+            depth_steps(8, bad)
+
+
+def test_the_bound_is_ddps_steps_times_the_cells_compute_time_and_efficiency_its_ratio():
+    from _e2e_targets import add_targets
+
+    runs = _synthetic_runs()
+    runs[2]["compute_s"] = 0.4        # a noisy measurement: the cell's median (0.25) is used
+    _targets, headline, _why = add_targets(runs, [2, 4, 8, 16])
+    by = {r["algorithm"]: r for r in runs}
+    assert by["ddp"]["steps_to_target"][headline] == 16
+    for name in ("ddp", "alone", "fast", "stuck"):
+        assert by[name]["bound_s"] == pytest.approx(16 * 0.25)
+    assert by["ddp"]["efficiency"] == pytest.approx(4.0 / 16.0)   # 1 s a step, 0.25 compute
+    assert by["fast"]["efficiency"] == pytest.approx(4.0 / 8.0)
+    assert by["stuck"]["efficiency"] is None and by["gone"]["bound_s"] is None
+
+
+@pytest.mark.timeout(420)
+def test_the_json_has_the_targets_the_headline_and_each_rows_efficiency(report):
+    names = [t["name"] for t in report["targets"]]
+    steps = [t["ddp_steps"] for t in report["targets"]]
+    assert steps == [1, 2, 4, 8, 16] and names == [f"ddp@{k}" for k in steps]  # N=4 x depths
+    assert report["headline"] in names and report["headline_why"]
+    assert f"headline H = {report['headline']}" in report["stdout"]
+    ddp = next(r for r in report["runs"] if r["algorithm"] == "ddp")
+    assert ddp["steps_run"] >= 16        # DDP trains to the deepest target's step count
+    for t in report["targets"]:          # and reaches each of its own losses at the latest there
+        assert ddp["steps_to_target"][t["name"]] <= t["ddp_steps"]
+    for r in report["runs"]:
+        assert set(r["steps_to_target"]) == set(names) == set(r["time_to_target_s"])
+        t = r["time_to_target_s"][report["headline"]]
+        if t is None:
+            assert r["efficiency"] is None
+        else:            # from the JSON's own fields
+            assert r["efficiency"] == pytest.approx(r["bound_s"] / t, rel=1e-9)
+            assert r["bound_s"] > 0

@@ -202,7 +202,7 @@ def verdict(runs: list[dict], targets: list[dict]) -> list[str]:
                                              f"{r['algorithm']}: {r['status']}" for r in bad)
         + ")")]
     met = [t for t in targets if t["met"]]
-    lines.append(f"targets: {len(met)} of {len(targets)} met" + (
+    lines.append(f"goals: {len(met)} of {len(targets)} met" + (
         "" if len(met) == len(targets) else
         " (the others are performance goals this run did not reach, listed above; the job "
         "itself ran)"))
@@ -311,9 +311,11 @@ def _style(algo: str, k: int) -> dict:
     return {"color": palette[k % len(palette)], "ls": "-", "lw": 1.4, "zorder": 3}
 
 
-def plot(runs: list[dict], path: Path, subtitle: str = "") -> Path | None:
-    """Per bandwidth, held-out loss against wall time (DDP's loss@N dotted, each run's time
-    to reach it marked); then time-to-DDP's-loss speedup per algorithm and bandwidth (bars)."""
+def plot(runs: list[dict], path: Path, subtitle: str = "", targets=None,
+         headline: str | None = None) -> Path | None:
+    """Per cell, held-out loss against wall time (the headline target dotted, each run's time
+    to reach it marked, the compute-only bound a vertical line); then each row's efficiency
+    at the headline (bound / its time; bars).  Only rows that ran are drawn."""
     try:
         import matplotlib
     except ImportError:
@@ -323,8 +325,9 @@ def plot(runs: list[dict], path: Path, subtitle: str = "") -> Path | None:
     import matplotlib.pyplot as plt
 
     bws, algos = cells(runs), []
+    target = next((t for t in targets or [] if t["name"] == headline), None)
     for r in runs:
-        if r["algorithm"] not in algos:
+        if r["status"] == "ok" and r["algorithm"] not in algos:
             algos.append(r["algorithm"])
     ours = [a for a in algos if a != "ddp" and a not in DDP_PEERS]   # colours only
     styles = {a: _style(a, ours.index(a) if a in ours else 0) for a in algos}
@@ -343,15 +346,20 @@ def plot(runs: list[dict], path: Path, subtitle: str = "") -> Path | None:
                               label=r["algorithm"], **styles[r["algorithm"]])
             handles[r["algorithm"]] = line
             tmax = max(tmax, c[-1][1])
-            t = r.get("time_to_ddp_loss_s")
-            if t is not None:
-                ax.plot([t], [r["ddp_loss_target"]], "o", mfc="none", ms=7,
+            t = (r.get("time_to_target_s") or {}).get(headline)
+            if t is not None and target is not None:
+                ax.plot([t], [target["loss"]], "o", mfc="none", ms=7,
                         color=styles[r["algorithm"]]["color"], zorder=6)
-        if ddp is not None:
-            ax.axhline(ddp["loss"], color="black", ls=":", lw=1)
-            ax.annotate(f"DDP's loss after N={ddp['steps']} steps", (0, ddp["loss"]),
-                        xycoords=("axes fraction", "data"), xytext=(3, 3),
-                        textcoords="offset points", fontsize=7)
+        if ddp is not None and target is not None:
+            ax.axhline(target["loss"], color="black", ls=":", lw=1)
+            ax.annotate(f"headline: DDP's loss after {target['ddp_steps']} steps",
+                        (0, target["loss"]), xycoords=("axes fraction", "data"),
+                        xytext=(3, 3), textcoords="offset points", fontsize=7)
+            if ddp.get("bound_s"):
+                ax.axvline(ddp["bound_s"], color="green", ls="--", lw=1)
+                ax.annotate(f"bound {ddp['bound_s']:.1f}s", (ddp["bound_s"], 0.02),
+                            xycoords=("data", "axes fraction"), xytext=(2, 2),
+                            textcoords="offset points", fontsize=7, color="green")
             wall = ddp.get("wall_s")
             if wall and wall <= tmax:
                 ax.axvline(wall, color="grey", ls=":", lw=1)
@@ -359,36 +367,40 @@ def plot(runs: list[dict], path: Path, subtitle: str = "") -> Path | None:
                             xytext=(2, -10), textcoords="offset points", fontsize=7,
                             color="grey")
         ax.set_title(f"held-out loss vs wall time, {cell_label(bw)}", fontsize=9)
-        ax.set_xlabel("training wall time (s); o = reaches DDP's loss@N")
-        ax.set_ylabel("held-out loss (mean of ranks)")
+        ax.set_xlabel("training wall time (s); o = reaches the headline target")
+        ax.set_ylabel("held-out loss (mean of the ranks' models)")
     ax = axes[0][-1]
-    shown = [a for a in algos if a != "ddp"]
+    shown = list(algos)
     width = 0.8 / max(1, len(bws))
     for j, bw in enumerate(bws):
         vals = []
         for a in shown:
             r = next((r for r in runs if cell(r) == bw and r["algorithm"] == a),
                      None)
-            vals.append((r or {}).get("tta_speedup_vs_ddp") or 0.0)
+            vals.append((r or {}).get("efficiency") or 0.0)
         ys = [k + (j - (len(bws) - 1) / 2) * width for k in range(len(shown))]
         bars = ax.barh(ys, vals, height=width * 0.95, color=f"C{j}", alpha=0.55 + 0.45 * (
             j == 0), label=cell_label(bw))
         for b, v in zip(bars, vals):
-            ax.annotate("never" if v == 0 else f"{v:.2f}x", (v, b.get_y() + b.get_height() / 2),
+            ax.annotate("not reached" if v == 0 else f"{v:.2f}",
+                        (v, b.get_y() + b.get_height() / 2),
                         xytext=(2, 0), textcoords="offset points", va="center", fontsize=6)
     ax.axvline(1.0, color="black", lw=1)
     ax.set_yticks(range(len(shown)), shown, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("time to DDP's loss: DDP's time / algorithm's (> 1 = sooner than DDP)")
-    ax.set_title("who reaches DDP's loss sooner, by how much", fontsize=9)
+    ax.set_xlabel("efficiency: compute-only bound / time to the headline (1 = the limit)")
+    ax.set_title(f"how close each row gets to the physical limit ({headline})", fontsize=9)
     ax.legend(title="link", fontsize=7, title_fontsize=7, loc="upper left",
               bbox_to_anchor=(1.0, 1.0))
     order = [a for a in algos if a in handles]
-    fig.legend([handles[a] for a in order], order, loc="lower center", ncol=min(6, len(order)),
+    ncol = min(6, max(1, len(order)))
+    fig.legend([handles[a] for a in order], order, loc="lower center", ncol=ncol,
                fontsize=7, frameon=False)
     if subtitle:
         fig.suptitle(subtitle, fontsize=9)
-    fig.tight_layout(rect=(0, 0.09, 1, 1))
+    # room under the axes for the legend's rows, so that it covers no x label
+    legend_rows = -(-len(order) // ncol)
+    fig.tight_layout(rect=(0, min(0.45, 0.03 + 0.045 * legend_rows), 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

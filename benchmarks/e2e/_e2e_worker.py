@@ -147,11 +147,12 @@ def _ddp_step(args) -> float:
 
 def _row_budget(args, budget_s: float | None) -> float:
     """A row's training time budget (seconds), as the rows after DDP's will be given it."""
-    budget = budget_s or args.budget_factor * _ddp_step(args) * args.steps or args.wall_seconds
+    budget = budget_s or args.budget_factor * _ddp_step(args) * _deepest(args) \
+        or args.wall_seconds
     return max(budget, args.wall_seconds)
 
 
-def _compute_time(model, batches, steps: int = 3) -> float:
+def _compute_time(model, batches, steps: int = 5) -> float:
     """Seconds per forward+backward+step with no communication at all (a private copy)."""
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     times = []
@@ -174,11 +175,17 @@ def _evaluate(model, batches) -> float:
     return loss
 
 
-def _snapshot_due(i: int, steps: int, every: int) -> bool:
+def _deepest(args) -> int:
+    """DDP's step count of the deepest target: DDP trains at least this far."""
+    return max([args.steps, *args.depth_steps])
+
+
+def _snapshot_due(i: int, steps: int, every: int, depth_steps=()) -> bool:
     """Every ``every`` steps up to 2N, where time to DDP's loss is decided (DDP reaches its
     loss at N); every N/2 steps after, so fast rows that train for many steps (async) do not
-    spend minutes evaluating their tail; and always at N."""
-    if i == steps:
+    spend minutes evaluating their tail; and always at N and at each target's step count
+    (DDP's loss there is the target)."""
+    if i == steps or i in depth_steps:
         return True
     return i % (every if i <= 2 * steps else max(every, steps // 2)) == 0
 
@@ -285,7 +292,7 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
         i += 1
         elapsed = time.perf_counter() - t0 - paused
         times.append(elapsed)
-        if _snapshot_due(i, args.steps, every):
+        if _snapshot_due(i, args.steps, every, args.depth_steps):
             # The weights (local, no collective), the clock paused; evaluated after the run.
             p = time.perf_counter()
             snapshots.append((i, elapsed, _snapshot(model)))
@@ -312,10 +319,11 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
                 slowest = torch.tensor([elapsed], dtype=torch.float64)
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=harness)
                 per_step = float(slowest) / i
-                wall = max(args.wall_seconds, budget_s or 0.0,
-                           args.budget_factor * float(slowest) if name == "ddp" else 0.0)
+                wall = max(args.wall_seconds, budget_s or 0.0)
                 rec["budget_s"] = wall
                 target = min(args.max_steps, max(i, math.ceil(wall / per_step)))
+                if name == "ddp":      # DDP's losses at depth are the targets: reach them all
+                    target = max(target, _deepest(args))
                 paused += time.perf_counter() - p
         if "eval_at_wall" not in rec and (elapsed >= args.wall_seconds or (
                 target is not None and i >= target)):
@@ -328,6 +336,11 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
             _progress(args, name, args.warmup + i, total)
         if target is not None and i >= target:
             break
+    if name == "ddp":
+        # every later row's budget: this factor x DDP's time to its deepest target (the rows
+        # that can reach it get the time to), at least T
+        rec["depth_s"] = times[_deepest(args) - 1]
+        rec["budget_s"] = max(args.wall_seconds, args.budget_factor * rec["depth_s"])
     if name == "async" and hasattr(wrapped, "abort"):
         wrapped.abort()
     evals = _evaluate_snapshots(args.size, args.seed, snapshots, evalset,
@@ -404,6 +417,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-factor", type=float, default=1.5)
     ap.add_argument("--ddp-seconds", type=float, default=0.0,
                     help="DDP's time for --steps steps when DDP ran in an earlier job")
+    ap.add_argument("--ddp-budget-seconds", type=float, default=0.0,
+                    help="every row's budget when DDP ran in an earlier job")
+    ap.add_argument("--depth-steps", default="",
+                    help="comma list of DDP's step counts whose held-out loss is a target: "
+                         "DDP trains to the deepest")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=1,
                     help="snapshot the weights for the held-out loss curve every this many steps")
@@ -413,6 +431,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ifname", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    args.depth_steps = [int(x) for x in args.depth_steps.split(",") if x.strip()]
     args.ddp_step_s, args.chosen_sync_every, args.sync_every_of = 0.0, None, {}
     args.rule_inputs = None   # (compute, budget) of the first sync row: its rule's inputs
     args.auto_choice = None
@@ -433,7 +452,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     params = num_params(make_model(args.size, seed=args.seed))
     counter = AllReduceCounter()
-    budget_s = args.budget_factor * args.ddp_seconds if args.ddp_seconds else None
+    budget_s = args.ddp_budget_seconds or None   # DDP ran in an earlier job: its budget
     for name in args.algorithms.split(","):
         if rank == 0:
             (out / f"{name}.started").write_text(str(time.time()))

@@ -40,14 +40,16 @@ from _e2e_model import SIZES, MarkovText, initial_loss, make_model, num_params  
 from _e2e_report import (  # noqa: E402
     PlainConsole,
     PlainProgress,
+    _mode,
     add_ratios,
     cell_label,
     check_targets,
     plot,
-    table,
     verdict,
 )
 from _e2e_rows import ALONE, SYNC_SWEEP, default_rows, split_row  # noqa: E402
+from _e2e_table import table  # noqa: E402
+from _e2e_targets import DEPTHS, add_targets, depth_steps  # noqa: E402
 
 WORKER = str(HERE / "_e2e_worker.py")
 QUICK = {"bandwidths": "100", "size": "small", "steps": 6, "wall_seconds": 4.0, "hosts": 2,
@@ -119,6 +121,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "--quick 2")
     ap.add_argument("--size", choices=sorted(SIZES), help="model size (default base)")
     ap.add_argument("--steps", type=int, help="timed steps for throughput and loss@N")
+    ap.add_argument("--depths", default=",".join(f"{d:g}" for d in DEPTHS),
+                    help="the targets: DDP's held-out loss after these multiples of N steps "
+                         "(default %(default)s); DDP trains to the deepest, the headline is "
+                         "the first one the 'alone' row does not reach")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--wall-seconds", type=float, help="wall time T for loss@T")
     ap.add_argument("--batch-size", type=int, default=8, help="per rank")
@@ -181,6 +187,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  f"{args.hosts} x {args.procs_per_host}")
     if args.steps < 1 or args.warmup < 0 or args.batch_size < 1:
         ap.error("--steps and --batch-size must be >= 1 and --warmup >= 0")
+    try:
+        args.depth_steps = depth_steps(args.steps, args.depths)
+    except ValueError as err:
+        ap.error(str(err))
     return args
 
 
@@ -200,7 +210,7 @@ class Launcher:
         self.launches = 0
 
     def start(self, algorithms: list[str], outdir: Path,
-              ddp_seconds: float = 0.0) -> list[subprocess.Popen]:
+              ddp_seconds: float = 0.0, ddp_budget_s: float = 0.0) -> list[subprocess.Popen]:
         a = self.args
         worker = [WORKER, "--algorithms", ",".join(algorithms), "--size", a.size,
                   "--steps", a.steps, "--warmup", a.warmup, "--wall-seconds", a.wall_seconds,
@@ -208,6 +218,8 @@ class Launcher:
                   "--procs-per-host", a.procs_per_host, "--powersgd-rank", a.powersgd_rank,
                   "--async-interval-ms", a.async_interval_ms, "--sync-every", a.sync_every,
                   "--budget-factor", a.budget_factor, "--ddp-seconds", ddp_seconds,
+                  "--ddp-budget-seconds", ddp_budget_s,
+                  "--depth-steps", ",".join(map(str, a.depth_steps)),
                   "--ifname", self.tb.data_ifname if self.tb else ""]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.launches += 1
@@ -268,8 +280,9 @@ def run_bandwidth(bw, args, launcher: Launcher, progress, console,
         for f in outdir.glob("*"):
             f.unlink()
         ddp = results.get("ddp", {})
-        procs = launcher.start(remaining, outdir, ddp.get("window_s") or 0.0
-                               if ddp.get("status") == "ok" else 0.0)
+        ok = ddp.get("status") == "ok"
+        procs = launcher.start(remaining, outdir, (ddp.get("window_s") or 0.0) if ok else 0.0,
+                               (ddp.get("budget_s") or 0.0) if ok else 0.0)
         last_change, last_seen = time.monotonic(), None
         stalled = False
         while any(p.poll() is None for p in procs):
@@ -420,18 +433,20 @@ def main(argv=None) -> int:
         if tb is not None:
             tb.close()
     add_ratios(runs)
+    depth_targets, headline, why_headline = add_targets(runs, args.depth_steps)
     targets = check_targets(runs)
     shape = f"{args.hosts} hosts x {args.procs_per_host} processes"
     mode = (f"testbed: {shape}, {why}" if ok else
             f"NO TESTBED ({why}): {shape} as loopback processes, unshaped")
-    console.print(table(runs, f"bagua end to end vs torch DDP ({mode})"))
+    console.print(table(runs, f"bagua end to end vs torch DDP ({mode})", depth_targets,
+                        headline, why_headline, mode=_mode), markup=False, highlight=False)
     png = plot(runs, args.plot, subtitle=f"{num_params(model) / 1e6:.2f}M-param transformer, "
-               f"{mode}")
+               f"{mode}", targets=depth_targets, headline=headline)
     console.print(f"plot: {png}" if png else "plot: skipped (pip install matplotlib)")
     for t in targets:
         mark = "[green]met[/]" if t["met"] else "[red]not met[/]"
         value = "none reached it" if t["value"] is None else f"{t['value']:.2f}"
-        console.print(f"target {t['target']} "
+        console.print(f"goal {t['target']} "
                       f"({cell_label((t['bandwidth_mbit'], t['latency_ms']))}, "
                       f"{t['algorithm']}): {value}, need {t['need']}: {mark}")
     lines = verdict(runs, targets)
@@ -440,7 +455,10 @@ def main(argv=None) -> int:
         "testbed": {"used": ok, "why": why, "mode": tb.mode if tb else None},
         "model": {"size": args.size, "params": num_params(model),
                   "loss_at_init": initial_loss(data.vocab), "loss_floor": data.entropy()},
-        "runs": runs, "targets": targets, "verdict": lines,
+        # DESIGN §10: the targets at depth and the headline (the issue-era performance goals
+        # are "goals")
+        "targets": depth_targets, "headline": headline, "headline_why": why_headline,
+        "runs": runs, "goals": targets, "verdict": lines,
         "plot": str(png) if png else None,
         "elapsed_s": time.monotonic() - t_start,
     }
