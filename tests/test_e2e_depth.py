@@ -22,11 +22,13 @@ TINY = ["--quick", "--size", "tiny", "--steps", "4", "--warmup", "1", "--wall-se
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
-    """One small run over loopback: DDP, ``alone`` (added by the job itself) and ``auto``."""
+    """One small run over loopback: DDP, ``alone`` (added by the job itself), ``auto`` and
+    DiLoCo at H=3 (N=4 timed steps)."""
     tmp = tmp_path_factory.mktemp("depth")
     out = tmp / "e2e.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e.py"), *TINY,
-                        "--algorithms", "ddp,auto", "--json", str(out),
+                        "--algorithms", "ddp,auto,diloco", "--sync-every", "3",
+                        "--json", str(out),
                         "--plot", str(tmp / "e2e.png"), "--workdir", str(tmp / "work"),
                         "--stall-seconds", "120"],
                        capture_output=True, text=True, timeout=400, cwd=tmp,
@@ -40,7 +42,7 @@ def report(tmp_path_factory) -> dict:
 @pytest.mark.timeout(420)
 def test_the_alone_row_is_in_every_run_and_sends_zero_bytes(report):
     runs = {r["algorithm"]: r for r in report["runs"]}
-    assert list(runs) == ["ddp", "alone", "auto"]
+    assert list(runs) == ["ddp", "alone", "auto", "diloco"]
     alone = runs["alone"]
     assert alone["status"] == "ok", alone
     # nothing communicated: the communication layer counted no byte, and (no testbed) the
@@ -135,3 +137,33 @@ def test_the_json_has_the_targets_the_headline_and_each_rows_efficiency(report):
         else:            # from the JSON's own fields
             assert r["efficiency"] == pytest.approx(r["bound_s"] / t, rel=1e-9)
             assert r["bound_s"] > 0
+
+
+@pytest.mark.timeout(420)
+def test_the_auto_rows_time_starts_before_its_network_probe(report):
+    auto = next(r for r in report["runs"] if r["algorithm"] == "auto")
+    assert auto["status"] == "ok", auto
+    probe = auto["auto_choice"]["setup_s"]    # recommend's measurement and with_bagua's setup
+    assert auto["setup_s"] >= probe > 0      # the slowest rank's and rank 0's
+    # the clock started before the probe: the first evaluation (after one step) is later
+    # than the probe alone took, and so is the time to every target it reached
+    assert auto["eval_curve"][0][1] > probe
+    assert all(t is None or t > probe for t in auto["time_to_target_s"].values())
+    # the throughput window is the steps only (the probe is once per run)
+    assert auto["window_s"] < auto["eval_curve"][-1][1]
+    said = " ".join(report["stdout"].split())     # the notes wrap at 80 columns
+    assert f"its {auto['setup_s']:.1f}s probe counted in its time" in said
+
+
+@pytest.mark.timeout(420)
+def test_a_sync_rows_throughput_window_holds_whole_sync_periods(report):
+    diloco = next(r for r in report["runs"] if r["algorithm"] == "diloco")
+    assert diloco["status"] == "ok" and diloco["sync_every"] == 3
+    # N=4 timed steps, H=3: the window runs on to 6 steps, two whole periods
+    assert diloco["window_steps"] == 6 and diloco["window_syncs"] == 2
+    ddp = next(r for r in report["runs"] if r["algorithm"] == "ddp")
+    assert ddp["window_syncs"] is None and ddp["window_steps"] == 4
+    # its bytes: one model-sized allreduce per 3 steps, DDP's per step
+    assert diloco["bytes_per_step_accounted"] == pytest.approx(
+        ddp["bytes_per_step_accounted"] / 3, rel=0.05)
+    assert "2 syncs in 6 st" in " ".join(report["stdout"].split())

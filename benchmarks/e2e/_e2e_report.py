@@ -235,13 +235,20 @@ def _mode(r: dict) -> str:
         kw = c.get("kwargs") or {}
         if "sync_every" in kw:   # DiLoCo: no gradient buckets
             bits = ", 4-bit" if "UInt4" in str(kw.get("compressor")) else ""
-            return f"chose {c['algorithm']}, H={kw['sync_every']}{bits}"
-        return f"chose {c['algorithm']}, {c['bucket_size'] / 2**20:.0f} MiB buckets"
+            note = f"chose {c['algorithm']}, H={kw['sync_every']}{bits}"
+        else:
+            note = f"chose {c['algorithm']}, {c['bucket_size'] / 2**20:.0f} MiB buckets"
+        if r.get("setup_s"):     # its probe, counted in its time
+            note += f"; its {r['setup_s']:.1f}s probe counted in its time"
+        return note
 
     note = mode_note(r["algorithm"], r.get("procs_per_host") or 1,
                      powersgd_rank=r.get("powersgd_rank") or 2, warmup=r.get("warmup") or 2,
                      async_interval_ms=r.get("sync_interval_ms"),
                      sync_every=r.get("sync_every"))
+    if r.get("window_syncs") is not None:    # the throughput window's whole sync periods
+        note += (f", {r['window_syncs']} syncs in {r['window_steps']} st" if r["window_syncs"]
+                 else f", no sync in its {r['window_steps']}-step window")
     if r["algorithm"] == "async" and r.get("async_rounds_in_window") is not None:
         note += f", {r['async_rounds_in_window']} avg/{r['window_steps']} st"
     if r.get("bytes_source") == "accounted":

@@ -237,6 +237,17 @@ def _write_json(path: Path, obj) -> None:
     tmp.replace(path)
 
 
+def _sync_period(name: str, args) -> int | None:
+    """H of a row that communicates every H steps (a sync row, or auto when it chose
+    DiLoCo); None for the rows that communicate every step."""
+    if split_row(name)[0] in SYNC_ROWS:
+        return args.chosen_sync_every
+    if name == "auto" and args.auto_choice:
+        h = (args.auto_choice.get("kwargs") or {}).get("sync_every")
+        return int(h) if h else None
+    return None
+
+
 def _async_rounds(wrapped) -> int:
     return int(getattr(getattr(wrapped, "impl", None), "rounds", 0))
 
@@ -280,7 +291,14 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
     dist.barrier(group=harness)
     tx0, acc0, ddp0 = _tx_bytes(args.ifname), _accounted_bytes(), counter.bytes
     rounds0 = _async_rounds(wrapped)
-    t0 = time.perf_counter()
+    # Every cost in the row's time: the auto row's clock starts before its network probe
+    # (recommend's measurement and with_bagua's setup, timed in _build), so its curve and
+    # its time to each target include them; its throughput window does not (once per run).
+    setup_s = args.auto_choice["setup_s"] if name == "auto" and args.auto_choice else 0.0
+    # A sync row's window holds whole sync periods: it ends on a multiple of H (capped by
+    # --max-steps: then window_syncs says how many it holds, maybe none)
+    period = _sync_period(name, args)
+    t0 = time.perf_counter() - setup_s
     paused = 0.0
     times, losses, snapshots = [], [], []
     rec: dict = {}
@@ -298,7 +316,7 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
             snapshots.append((i, elapsed, _snapshot(model)))
             paused += time.perf_counter() - p
         if target is None and i >= args.steps:
-            more = False
+            more = bool(period) and i % period != 0 and i < args.max_steps
             if name == "async":
                 # The window must hold averaging rounds: all ranks agree to go on or stop.
                 p = time.perf_counter()
@@ -308,7 +326,9 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
                 paused += time.perf_counter() - p
             if not more:
                 rec["window_steps"] = i
-                rec["steps_s"] = elapsed
+                rec["steps_s"] = elapsed - setup_s
+                rec["setup_s"] = setup_s
+                rec["window_syncs"] = i // period if period else None
                 rec["tx"] = _tx_bytes(args.ifname) - tx0
                 rec["accounted"] = (counter.bytes - ddp0) if name in TORCH_ROWS else (
                     _accounted_bytes() - acc0)
@@ -378,6 +398,10 @@ def _combine(name: str, recs: list[dict], args, params: int, world: int) -> dict
         "bytes_per_step_accounted": accounted,
         "window_steps": window, "window_s": steps_s,
         "async_rounds_in_window": recs[0]["rounds"] if name == "async" else None,
+        # whole sync periods in the throughput window (None: the row talks every step)
+        "window_syncs": recs[0]["window_syncs"],
+        # seconds before the first step counted in the row's time (auto: its probe)
+        "setup_s": max(r["setup_s"] for r in recs),
         "sync_interval_ms": args.async_interval_ms if name == "async" else None,
         "powersgd_rank": args.powersgd_rank if name == "ddp_powersgd" else None,
         "warmup": args.warmup,
