@@ -138,6 +138,17 @@ def test_e2e_without_rich_matplotlib_or_tqdm_finishes_and_writes_its_json(tmp_pa
     assert not (tmp_path / "e2e.png").exists()
     assert "bagua end to end vs torch DDP" in stdout            # the plain table
     assert "json: " in stdout
+    # each row's line as it finished, before the table, each with the plain bar and the
+    # time left after it (issue 48)
+    table_at = stdout.index("bagua end to end")
+    assert -1 < stdout.index("unshaped ddp: ") < stdout.index("unshaped alone: ") < table_at
+    assert "1.0/3 rows" in stdout and "3.0/3 rows" in stdout and " left" in stdout
+    # the table within 80 columns: the long reason wrapped under the rows, never cut
+    table = stdout[table_at:stdout.index("json: ")]
+    assert max(len(line) for line in table.splitlines()) <= 80, table
+    said = " ".join(table.split())
+    assert "no_such_algo~: unavailable: not in bagua_algos' registry" in said
+    assert "no_such_algo~ = no_such_algorithm" in said                  # the names' legend
 
 
 @pytest.mark.timeout(420)

@@ -167,3 +167,38 @@ def test_a_sync_rows_throughput_window_holds_whole_sync_periods(report):
     assert diloco["bytes_per_step_accounted"] == pytest.approx(
         ddp["bytes_per_step_accounted"] / 3, rel=0.05)
     assert "2 syncs in 6 st" in " ".join(report["stdout"].split())
+
+
+def test_the_display_tells_the_time_left_and_the_plot_draws_only_rows_that_ran():
+    from _e2e_display import text_bar, time_left
+    from _e2e_report import ran
+
+    assert time_left(30.0, 3, 9) == pytest.approx(60.0)      # 10 s a row, 6 rows to go
+    assert time_left(30.0, 0, 9) is None
+    bar = text_bar(3, 12, 90.0, width=8)
+    assert bar.startswith("[##......] 3.0/12 rows, 1:30 elapsed, ~4:30 left"), bar
+    runs = [{"algorithm": a, "status": s} for a, s in (("ddp", "ok"), ("gone", "unavailable"),
+                                                      ("broke", "failed"), ("alone", "ok"),
+                                                      ("ddp", "ok"))]
+    assert ran(runs) == ["ddp", "alone"]
+
+
+def test_the_table_fits_80_columns_with_every_long_row_name_shortened_and_explained():
+    from _e2e_rows import DEFAULT_ROWS
+    from _e2e_table import NAME, short, table
+
+    names = [*DEFAULT_ROWS, "diloco@x0.5", "low_rank_r64_u8", "topk_1pct_u4"]
+    assert all(len(short(n)) <= NAME for n in names)
+    assert len({short(n) for n in names}) == len(names)        # no two rows look the same
+    runs = [{"algorithm": n, "status": "ok", "bandwidth_mbit": 10, "latency_ms": 50,
+             "bytes_per_step": 19.85e6, "step_s": 12.345, "loss": 2.1234,
+             "loss_over": "mean of the ranks' models", "steps_to_target": {"ddp@120": 1234},
+             "time_to_target_s": {"ddp@120": 12345.6}, "bound_s": 1234.5,
+             "efficiency": 0.1} for n in names]
+    runs.append({"algorithm": "ft_diloco", "status": "unavailable", "bandwidth_mbit": 10,
+                 "latency_ms": 50, "reason": "torchft does not import here " * 5})
+    text = table(runs, "title", [{"name": "ddp@120", "ddp_steps": 120, "loss": 1.5}],
+                 "ddp@120", "why", mode=lambda r: "a long mode note " * 8)
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "low_precision_decentralized" in text and "lp_decent" in text   # the legend
+    assert "torchft does not import here torchft" in " ".join(text.split())

@@ -318,6 +318,15 @@ def _style(algo: str, k: int) -> dict:
     return {"color": palette[k % len(palette)], "ls": "-", "lw": 1.4, "zorder": 3}
 
 
+def ran(runs: list[dict]) -> list[str]:
+    """The rows the plot draws: those measured in at least one cell, in order."""
+    out = []
+    for r in runs:
+        if r["status"] == "ok" and r["algorithm"] not in out:
+            out.append(r["algorithm"])
+    return out
+
+
 def plot(runs: list[dict], path: Path, subtitle: str = "", targets=None,
          headline: str | None = None) -> Path | None:
     """Per cell, held-out loss against wall time (the headline target dotted, each run's time
@@ -331,11 +340,8 @@ def plot(runs: list[dict], path: Path, subtitle: str = "", targets=None,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bws, algos = cells(runs), []
+    bws, algos = cells(runs), ran(runs)
     target = next((t for t in targets or [] if t["name"] == headline), None)
-    for r in runs:
-        if r["status"] == "ok" and r["algorithm"] not in algos:
-            algos.append(r["algorithm"])
     ours = [a for a in algos if a != "ddp" and a not in DDP_PEERS]   # colours only
     styles = {a: _style(a, ours.index(a) if a in ours else 0) for a in algos}
     n = len(bws)
@@ -380,16 +386,17 @@ def plot(runs: list[dict], path: Path, subtitle: str = "", targets=None,
     shown = list(algos)
     width = 0.8 / max(1, len(bws))
     for j, bw in enumerate(bws):
-        vals = []
+        vals, notes = [], []
         for a in shown:
             r = next((r for r in runs if cell(r) == bw and r["algorithm"] == a),
-                     None)
-            vals.append((r or {}).get("efficiency") or 0.0)
+                     None) or {"status": "absent"}
+            vals.append(r.get("efficiency") or 0.0)
+            notes.append("not reached" if r["status"] == "ok" else f"did not run ({r['status']})")
         ys = [k + (j - (len(bws) - 1) / 2) * width for k in range(len(shown))]
         bars = ax.barh(ys, vals, height=width * 0.95, color=f"C{j}", alpha=0.55 + 0.45 * (
             j == 0), label=cell_label(bw))
-        for b, v in zip(bars, vals):
-            ax.annotate("not reached" if v == 0 else f"{v:.2f}",
+        for b, v, note in zip(bars, vals, notes):
+            ax.annotate(note if v == 0 else f"{v:.2f}",
                         (v, b.get_y() + b.get_height() / 2),
                         xytext=(2, 0), textcoords="offset points", va="center", fontsize=6)
     ax.axvline(1.0, color="black", lw=1)
@@ -423,32 +430,3 @@ class PlainConsole:
         print(*(strip(str(o)) for o in objs), flush=True)
 
     log = print
-
-
-class PlainProgress:
-    """rich.progress.Progress's methods e2e.py uses: one line per finished task."""
-
-    def __init__(self, console):
-        self.console, self.tasks = console, {}
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def add_task(self, description, total, start=True):
-        self.tasks[len(self.tasks)] = [description, total, 0]
-        return len(self.tasks) - 1
-
-    def start_task(self, task) -> None:
-        pass
-
-    def update(self, task, completed=None, description=None) -> None:
-        t = self.tasks[task]
-        if description:
-            t[0] = description
-        if completed is not None and completed >= t[1] > t[2]:
-            self.console.print(f"{t[0]}: done")
-        if completed is not None:
-            t[2] = completed

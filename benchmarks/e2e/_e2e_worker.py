@@ -352,8 +352,8 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
             rec["eval_at_wall"] = _evaluate(model, evalset)
             rec["wall_reached"] = elapsed >= args.wall_seconds
             paused += time.perf_counter() - p
-        if i <= args.steps:
-            _progress(args, name, args.warmup + i, total)
+        if i <= args.steps or i % 10 == 0:    # the bar's "time left": steps of the run
+            _progress(args, name, args.warmup + i, args.warmup + (target or total))
         if target is not None and i >= target:
             break
     if name == "ddp":

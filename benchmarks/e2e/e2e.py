@@ -36,10 +36,10 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import _paths  # noqa: E402,F401  (testbed and benchmarks/e2e on sys.path)
 
 # isort: split
+from _e2e_display import Display  # noqa: E402
 from _e2e_model import SIZES, MarkovText, initial_loss, make_model, num_params  # noqa: E402
 from _e2e_report import (  # noqa: E402
     PlainConsole,
-    PlainProgress,
     _mode,
     add_ratios,
     cell_label,
@@ -263,17 +263,33 @@ def _log_tail(outdir: Path, n: int = 2) -> str:
     return " | ".join((found or last)[-n:])
 
 
-def run_bandwidth(bw, args, launcher: Launcher, progress, console,
-                  latency_ms=0) -> list[dict]:
+def _row_line(label: str, r: dict) -> str:
+    """The line a row prints as it finishes."""
+    if r["status"] != "ok":
+        return f"{label} {r['algorithm']}: {r['status']}: {r.get('reason')}"
+    return (f"{label} {r['algorithm']}: {r['samples_per_s']:.1f} samples/s, "
+            f"{r['bytes_per_step'] / 1e6:.2f} MB/step, loss@N {r['loss']:.3f}, "
+            f"{r.get('steps_run')} steps in its budget")
+
+
+def _fraction(info: dict) -> float:
+    """How far a row is from the worker's progress file: training, then evaluation."""
+    frac = info["step"] / max(1, info.get("of") or 1)
+    return 0.8 * frac if info.get("phase", "train") == "train" else 0.8 + 0.2 * frac
+
+
+def run_bandwidth(bw, args, launcher: Launcher, display, latency_ms=0) -> list[dict]:
     """Every algorithm in one cell (bandwidth, latency); a crashed job is relaunched for the
-    rest."""
+    rest.  Each row's line is shown as soon as it finishes."""
     label = cell_label((bw, latency_ms))
     results: dict[str, dict] = {}
     remaining = list(args.algorithms)
-    total = args.warmup + args.steps
-    tasks = {a: progress.add_task(f"{label:>12} {a}", total=total, start=False)
-             for a in remaining}
     attempt = 0
+
+    def finish(a: str, r: dict) -> None:
+        results[a] = r
+        display.done(_row_line(label, r))
+
     while remaining:
         outdir = args.workdir / f"{re.sub(r'[ /,]', '', label)}-{attempt}"
         outdir.mkdir(parents=True, exist_ok=True)
@@ -293,16 +309,12 @@ def run_bandwidth(bw, args, launcher: Launcher, progress, console,
                 last_change, last_seen = time.monotonic(), seen
                 try:
                     info = json.loads(seen)
-                    task = tasks[info["algorithm"]]
-                    progress.start_task(task)
-                    if info.get("phase", "train") == "train":   # evaluation: alive only
-                        progress.update(task, completed=info["step"])
-                except (ValueError, KeyError):
+                    display.row(f"{label} {info['algorithm']}", _fraction(info))
+                except (ValueError, KeyError, TypeError):
                     pass
             for a in remaining:
                 if (outdir / f"{a}.json").exists() and a not in results:
-                    results[a] = json.loads((outdir / f"{a}.json").read_text())
-                    progress.update(tasks[a], completed=total)
+                    finish(a, json.loads((outdir / f"{a}.json").read_text()))
             if time.monotonic() - last_change > args.stall_seconds:
                 stalled = True
                 break
@@ -315,36 +327,30 @@ def run_bandwidth(bw, args, launcher: Launcher, progress, console,
         for a in list(remaining):
             js, marker = outdir / f"{a}.json", outdir / f"{a}.started"
             if js.exists():
-                results[a] = json.loads(js.read_text())
+                if a not in results:
+                    finish(a, json.loads(js.read_text()))
                 remaining.remove(a)
             elif marker.exists() and not started:
                 started = True
                 why = (f"no progress for {args.stall_seconds:.0f}s" if stalled
                        else f"job exited with {failed_code}")
-                results[a] = {"algorithm": a, "status": "failed",
-                              "reason": f"{why}: {_log_tail(outdir)}"}
+                finish(a, {"algorithm": a, "status": "failed",
+                           "reason": f"{why}: {_log_tail(outdir)}"})
                 remaining.remove(a)
-                progress.update(tasks[a], description=f"{label:>12} {a} (failed)")
         if remaining and not started:
             # The job died before any algorithm began (rendezvous, import...): give up.
             for a in remaining:
-                results[a] = {"algorithm": a, "status": "failed",
-                              "reason": f"job failed before training ({failed_code}): "
-                                        f"{_log_tail(outdir)}"}
+                finish(a, {"algorithm": a, "status": "failed",
+                           "reason": f"job failed before training ({failed_code}): "
+                                     f"{_log_tail(outdir)}"})
             remaining = []
         attempt += 1
-        for a, r in results.items():
-            if r["status"] == "ok":
-                progress.update(tasks[a], completed=total)
     runs = []
     for a in args.algorithms:
         r = {"bandwidth_mbit": bw, "latency_ms": latency_ms, **results[a]}
         for key in _NUMERIC:
             r.setdefault(key, None)
         runs.append(r)
-        msg = (f"{r['samples_per_s']:.1f} samples/s, loss {r['loss']:.3f}"
-               if r["status"] == "ok" else f"{r['status']}: {r.get('reason')}")
-        console.log(f"{label} {a}: {msg}", markup=False)   # reasons quote logs with [brackets]
     return runs
 
 
@@ -368,18 +374,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-        console = Console() if sys.stdout.isatty() else Console(width=160)
-
-        def progress_bar():
-            return Progress("[progress.description]{task.description}", BarColumn(),
-                            MofNCompleteColumn(), TimeElapsedColumn(), console=console)
-    except ImportError:  # plain text; `pip install rich` for the live table
+        console = Console() if sys.stdout.isatty() else Console(width=80)
+    except ImportError:  # plain text (tqdm's bar where it is installed); `pip install rich`
         console = PlainConsole()
-
-        def progress_bar():
-            return PlainProgress(console)
     t_start = time.monotonic()
     tb = None
     if args.no_testbed:
@@ -415,17 +413,19 @@ def main(argv=None) -> int:
     launcher = Launcher(args, tb)
     runs: list[dict] = []
     try:
-        with progress_bar() as progress:
+        with Display(console, len(args.bandwidths) * len(args.latencies)
+                     * len(args.algorithms)) as display:
             for bw in args.bandwidths:
                 for lat in args.latencies:
                     if tb is not None:
                         tb.reshape(bandwidth_mbit=bw)
                         tb.set_latency(lat)
                     before = tb.delay_stats() if tb is not None and lat else None
-                    cell_runs = run_bandwidth(bw, args, launcher, progress, console, lat)
+                    cell_runs = run_bandwidth(bw, args, launcher, display, lat)
                     line = delay_line_check(before, tb.delay_stats() if before else None)
                     if line is not None:
-                        console.log(f"{cell_label((bw, lat))}: delay line {line['note']}")
+                        display.done(f"{cell_label((bw, lat))}: delay line {line['note']}")
+                        display.finished -= 1         # a note, not a row
                     for r in cell_runs:
                         r["delay_line"] = line
                     runs += cell_runs
