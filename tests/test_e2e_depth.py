@@ -202,3 +202,25 @@ def test_the_table_fits_80_columns_with_every_long_row_name_shortened_and_explai
     assert max(len(line) for line in text.splitlines()) <= 80
     assert "low_precision_decentralized" in text and "lp_decent" in text   # the legend
     assert "torchft does not import here torchft" in " ".join(text.split())
+
+
+def test_the_trade_off_map_ranks_the_rows_at_the_headline_with_the_floor_in_every_cell():
+    from _e2e_targets import add_targets
+    from tradeoff import build_map
+
+    runs = _synthetic_runs()
+    for r in runs:
+        r["world_size"] = 4
+    targets, headline, why = add_targets(runs, [2, 4, 8, 16])
+    report = {"model": {"params": 1000}, "runs": runs, "targets": targets,
+              "headline": headline}
+    [entry] = build_map(report, exclude=("auto",))
+    # at ddp@16 'alone' (faster per step) never gets there: 'fast' wins, DDP is second
+    assert entry["target"] == "ddp@16" and entry["winner"] == "fast"
+    assert entry["times_s"]["alone"] is None and entry["alone_vs_best"] is None
+    assert entry["margin"] == pytest.approx(16.0 / 8.0)
+    assert entry["efficiency"]["fast"] == pytest.approx(0.5)
+    assert entry["steps_factor"]["fast"] == 1.0 and entry["steps_factor"]["alone"] is None
+    # at a shallow target, not communicating at all wins: the map says so
+    [shallow] = build_map({**report, "headline": "ddp@4"}, exclude=("auto",))
+    assert shallow["winner"] in ("alone", "fast") and shallow["alone_vs_best"] == 1.0

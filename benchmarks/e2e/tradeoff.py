@@ -1,12 +1,14 @@
-"""The trade-off map: which algorithm reaches DDP's loss first, per bandwidth x latency.
+"""The trade-off map: which algorithm reaches the headline target first, per bandwidth x latency.
 
     python benchmarks/tradeoff.py                       # 4 hosts, 10/100/300 Mbit/s x 0/5/50 ms
     python benchmarks/tradeoff.py --quick               # 2 hosts, 100 Mbit/s x 0/5 ms, tiny steps
     python benchmarks/tradeoff.py --from-json out/e2e.json [more.json]  # from e2e.py runs
 
 Runs benchmarks/e2e.py over the grid (every row: DDP, its hooks, each bagua algorithm and
-mode), then per cell names the winner by time to DDP's loss, its margin (the runner-up's time
-/ the winner's) and what the automatic choice (``bagua_algos.recommend``'s rule applied to the
+mode, and ``alone``: no communication, the floor), then per cell names the winner by time to
+the e2e report's headline target (the first of DDP's losses at depth that ``alone`` does not
+reach; an older report: DDP's loss after N steps), its efficiency, its margin (the runner-up's
+time / the winner's), the floor's time against it and what the automatic choice (``bagua_algos.recommend``'s rule applied to the
 cell's network) picks and how far that is from the cell's best.  Writes a heatmap (PNG) and a
 JSON that keeps every cell with every algorithm's time.
 """
@@ -47,7 +49,12 @@ def auto_pick(bw, lat, world: int, model_bytes: float, compute_s: float,
     return AUTO_ROW.get(name, name)
 
 
-def _steps_to(run: dict, ddp_steps: int | None) -> float | None:
+def _steps_to(run: dict, ddp_steps: int | None, headline: str | None = None,
+              ddp: dict | None = None) -> float | None:
+    if headline:       # steps to the headline target / DDP's steps to it
+        k = (run.get("steps_to_target") or {}).get(headline)
+        d = ((ddp or {}).get("steps_to_target") or {}).get(headline)
+        return round(k / d, 3) if k and d else None
     target = run.get("ddp_loss_target")
     if not ddp_steps or target is None:
         return None
@@ -75,17 +82,23 @@ def _auto_time(runs, times, c, ddp, params) -> tuple[str | None, float | None]:
 
 
 def build_map(report: dict, exclude=()) -> list[dict]:
-    """One entry per cell of an e2e report: every algorithm's time, the winner and margins."""
+    """One entry per cell of an e2e report: every algorithm's time to the report's headline
+    target (an older report without one: to DDP's loss after N steps), the winner, margins,
+    the automatic choice's and the ``alone`` floor's."""
     out = []
     params = report["model"]["params"]
+    headline = report.get("headline")
     for c in cells(report["runs"]):
         runs = [r for r in report["runs"] if cell(r) == c]
-        times = {r["algorithm"]: r.get("time_to_ddp_loss_s") for r in runs}
+        times = {r["algorithm"]: ((r.get("time_to_target_s") or {}).get(headline) if headline
+                                  else r.get("time_to_ddp_loss_s")) for r in runs}
         ddp_steps = next((r.get("steps") for r in runs if r["algorithm"] == "ddp"), None)
         # the "auto" row (with_bagua(..., "auto") run as is) is the choice, not a contender
         reached = sorted((t, a) for a, t in times.items() if t is not None and a != "auto")
         ddp = next((r for r in runs if r["algorithm"] == "ddp" and r["status"] == "ok"), None)
         entry = {"bandwidth_mbit": c[0], "latency_ms": c[1], "label": cell_label(c),
+                 "target": headline or "DDP's loss after N steps",
+                 "efficiency": {r["algorithm"]: r.get("efficiency") for r in runs},
                  "times_s": times, "winner": None, "margin": None, "winner_vs_ddp": None,
                  "auto": None, "auto_vs_best": None,
                  # the floor (every rank alone, no communication): its time / the winner's
@@ -94,7 +107,8 @@ def build_map(report: dict, exclude=()) -> list[dict]:
                  "delay_line": next((r.get("delay_line") for r in runs), None),
                  # steps each row took to DDP's loss / DDP's N: what recommend's
                  # STEPS_FACTOR estimates (None: never reached it)
-                 "steps_factor": {r["algorithm"]: _steps_to(r, ddp_steps) for r in runs}}
+                 "steps_factor": {r["algorithm"]: _steps_to(r, ddp_steps, headline, ddp)
+                                  for r in runs}}
         if reached:
             entry["winner"] = reached[0][1]
             entry["margin"] = reached[1][0] / reached[0][0] if len(reached) > 1 else None
@@ -129,7 +143,9 @@ def heatmap(entries: list[dict], path: Path, title: str = "") -> Path | None:
         x, y = bws.index(e["bandwidth_mbit"]), lats.index(e["latency_ms"])
         ax.add_patch(plt.Rectangle((x - 0.5, y - 0.5), 1, 1, alpha=0.45,
                                    color=colours.get(e["winner"], "0.85")))
-        text = e["winner"] or "none reached\nDDP's loss"
+        text = e["winner"] or "none reached\nthe target"
+        if e["winner"] and (e.get("efficiency") or {}).get(e["winner"]):
+            text += f" (eff {e['efficiency'][e['winner']]:.2f})"
         if e["margin"]:
             text += f"\nby {e['margin']:.2f}x"
         if e["winner_vs_ddp"]:
@@ -149,8 +165,9 @@ def heatmap(entries: list[dict], path: Path, title: str = "") -> Path | None:
     ax.set_yticks(range(len(lats)), [f"{lat:g} ms" for lat in lats])
     ax.set_xlabel("link bandwidth per host")
     ax.set_ylabel("one-way latency")
-    ax.set_title(title or "first to DDP's loss\n(margin: runner-up's time / winner's)",
-                 fontsize=9)
+    target = entries[0].get("target") if entries else None
+    ax.set_title(title or f"first to {target or 'DDP' + chr(39) + 's loss'}\n(margin: runner-up's "
+                 f"time / winner's)", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
