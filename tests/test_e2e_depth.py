@@ -211,7 +211,7 @@ def test_the_trade_off_map_ranks_the_rows_at_the_headline_with_the_floor_in_ever
     runs = _synthetic_runs()
     for r in runs:
         r["world_size"] = 4
-    targets, headline, why = add_targets(runs, [2, 4, 8, 16])
+    targets, headline, _why = add_targets(runs, [2, 4, 8, 16])
     report = {"model": {"params": 1000}, "runs": runs, "targets": targets,
               "headline": headline}
     [entry] = build_map(report, exclude=("auto",))

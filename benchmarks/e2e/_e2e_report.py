@@ -210,21 +210,9 @@ def verdict(runs: list[dict], targets: list[dict]) -> list[str]:
 
 
 _COLUMNS = [("bandwidth", "left"), ("latency", "right"), ("algorithm", "left"), ("mode", "left"),
-            ("samples/s", "right"), ("x DDP", "right"), ("step ms", "right"),
-            ("compute", "right"), ("comm", "right"), ("MB/st/rk", "right"),
-            ("loss@N", "right"), ("to DDP loss s", "right"), ("TTA xDDP", "right"),
-            ("loss@T", "right")]
-LEGEND = ("latency: one-way delay between two hosts (round trip: twice it).  "
-          "mode: the algorithm's mode (hier: averages inside a host first, only node leaders "
-          "use the shaped link; flat: every rank on the link; all/shift_one: Decentralized's "
-          "peers; async: its averaging interval and the rounds inside the timed window).  "
-          "step/compute/comm: ms per step (comm: exposed, step - compute).  "
-          "x DDP: throughput ratio.  MB/st/rk: MB each rank sent on the host's link "
-          "per step (wire: measured on the interface, with TCP/IP overhead; 'acc.': counted "
-          "by the communication layer, no testbed).  loss@N: held-out loss after N steps.  "
-          "to DDP loss s: wall time to reach DDP's loss@N (the headline; '-': not within the "
-          "budget).  TTA xDDP: DDP's time / this time (> 1: sooner than DDP).  loss@T: "
-          "held-out loss after T seconds.")
+            ("MB/st/rk", "right"), ("step ms", "right"), ("compute", "right"),
+            ("loss@N", "right"), ("to H s", "right"), ("steps to H", "right"),
+            ("x DDP at H", "right"), ("bound s", "right"), ("eff", "right")]
 
 
 def _mode(r: dict) -> str:
@@ -261,40 +249,27 @@ def _lat(r: dict) -> str:
 
 
 def _rows(runs: list[dict]) -> list[list[str]]:
+    """The markdown table's rows (H: the run's headline target, ``headline``)."""
     rows = []
+    ddp = {cell(r): r for r in runs if r["algorithm"] == "ddp" and r["status"] == "ok"}
     for r in runs:
         if r["status"] != "ok":
-            style = "yellow" if r["status"] == "unavailable" else "red"
-            rows.append([bw_label(r["bandwidth_mbit"]), _lat(r), r["algorithm"], *["-"] * 10,
-                         f"[{style}]{r['status']}[/]: {(r.get('reason') or '')[:70]}"])
+            rows.append([bw_label(r["bandwidth_mbit"]), _lat(r), r["algorithm"],
+                         f"{r['status']}: {r.get('reason') or ''}", *["-"] * 9])
             continue
-        s, t, x = r.get("speedup_vs_ddp"), r.get("time_to_ddp_loss_s"), r.get(
-            "tta_speedup_vs_ddp")
+        h = r.get("headline")
+        t = (r.get("time_to_target_s") or {}).get(h)
+        t_ddp = ((ddp.get(cell(r)) or {}).get("time_to_target_s") or {}).get(h)
+        k = (r.get("steps_to_target") or {}).get(h)
+        star = "*" if str(r.get("loss_over", "")).startswith("mean") else ""
         rows.append([bw_label(r["bandwidth_mbit"]), _lat(r), r["algorithm"], _mode(r),
-                     f"{r['samples_per_s']:.1f}", "-" if s is None else f"{s:.2f}",
-                     f"{r['step_s'] * 1e3:.0f}", f"{r['compute_s'] * 1e3:.0f}",
-                     f"{r['comm_s'] * 1e3:.0f}", f"{r['bytes_per_step'] / 1e6:.2f}",
-                     f"{r['loss']:.3f}", "-" if t is None else f"{t:.1f}",
-                     "-" if x is None else f"{x:.2f}", f"{r['loss_at_wall']:.3f}"])
+                     f"{r['bytes_per_step'] / 1e6:.2f}", f"{r['step_s'] * 1e3:.0f}",
+                     f"{r['compute_s'] * 1e3:.0f}", f"{r['loss']:.3f}{star}",
+                     "-" if t is None else f"{t:.1f}", "-" if k is None else str(k),
+                     f"{t_ddp / t:.2f}" if t and t_ddp else "-",
+                     "-" if r.get("bound_s") is None else f"{r['bound_s']:.1f}",
+                     "-" if r.get("efficiency") is None else f"{r['efficiency']:.2f}"])
     return rows
-
-
-def table(runs: list[dict], title: str):
-    """A rich Table (or plain text where rich is not installed)."""
-    try:
-        from rich.table import Table
-    except ImportError:
-        rows = [[c for c, _ in _COLUMNS]] + [
-            [re.sub(r"\[/?[a-z]*\]", "", cell) for cell in row] for row in _rows(runs)]
-        widths = [max(len(row[k]) for row in rows) for k in range(len(_COLUMNS))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
-        return "\n".join([title, *lines])
-    t = Table(title=title, title_justify="left", caption=LEGEND, caption_justify="left")
-    for col, just in _COLUMNS:
-        t.add_column(col, justify=just)
-    for row in _rows(runs):
-        t.add_row(*row)
-    return t
 
 
 def markdown(runs: list[dict]) -> str:

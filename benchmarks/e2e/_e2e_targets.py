@@ -119,5 +119,7 @@ def add_targets(runs: list[dict], steps: list[int]) -> tuple[list[dict], str | N
             r["steps_to_target"][t["name"]], r["time_to_target_s"][t["name"]] = k, s
     targets = first or []
     headline, why = pick_headline(targets, runs)
+    for r in runs:
+        r["headline"] = headline
     add_bound(runs, headline)
     return targets, headline, why
