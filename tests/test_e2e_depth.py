@@ -224,3 +224,35 @@ def test_the_trade_off_map_ranks_the_rows_at_the_headline_with_the_floor_in_ever
     # at a shallow target, not communicating at all wins: the map says so
     [shallow] = build_map({**report, "headline": "ddp@4"}, exclude=("auto",))
     assert shallow["winner"] in ("alone", "fast") and shallow["alone_vs_best"] == 1.0
+
+
+def test_a_map_joined_from_several_runs_picks_one_headline_alone_reaches_in_none(tmp_path):
+    """Two e2e JSONs, one cell each, each with its own headline: 'alone' stalls at 3.5 in
+    the first (its headline ddp@4) and at 2.5 in the second (its headline ddp@16).  The
+    joined map ranks both cells at the first target no 'alone' reached in any of them."""
+    import tradeoff
+    from _e2e_targets import add_targets
+
+    paths, own = [], []
+    for k, (bw, floor) in enumerate(((10, 3.5), (100, 2.5))):
+        runs = _synthetic_runs()
+        for r in runs:
+            r["bandwidth_mbit"], r["world_size"] = bw, 4
+        runs[1]["eval_curve"] = _curve([max(floor, 4.0 - 3.0 * j / 15) for j in range(40)],
+                                       0.5)
+        targets, headline, _why = add_targets(runs, [2, 4, 8, 16])
+        own.append(headline)
+        path = tmp_path / f"e2e{k}.json"
+        path.write_text(json.dumps({"model": {"params": 1000}, "runs": runs,
+                                    "targets": targets, "headline": headline}))
+        paths.append(path)
+    assert own == ["ddp@4", "ddp@16"]
+    out = tmp_path / "map.json"
+    tradeoff.main(["--from-json", *map(str, paths), "--json", str(out),
+                   "--plot", str(tmp_path / "map.png"), "--exclude", "auto"])
+    cells = json.loads(out.read_text())["cells"]
+    assert [c["target"] for c in cells] == ["ddp@16", "ddp@16"]
+    # the first cell re-read at ddp@16: 'fast' 16 steps of 0.5 s (at ddp@4 it was 2 s)
+    assert cells[0]["times_s"]["fast"] == pytest.approx(8.0)
+    assert [c["alone_vs_best"] for c in cells] == [None, None]
+    assert cells[0]["efficiency"]["fast"] == pytest.approx(16 * 0.25 / 8.0)

@@ -235,7 +235,8 @@ def _mode(r: dict) -> str:
                      async_interval_ms=r.get("sync_interval_ms"),
                      sync_every=r.get("sync_every"))
     if r.get("window_syncs") is not None:    # the throughput window's whole sync periods
-        note += (f", {r['window_syncs']} syncs in {r['window_steps']} st" if r["window_syncs"]
+        k = r["window_syncs"]
+        note += (f", {k} sync{'s' * (k != 1)} in {r['window_steps']} st" if k
                  else f", no sync in its {r['window_steps']}-step window")
     if r["algorithm"] == "async" and r.get("async_rounds_in_window") is not None:
         note += f", {r['async_rounds_in_window']} avg/{r['window_steps']} st"

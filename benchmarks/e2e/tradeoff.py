@@ -189,6 +189,14 @@ def main(argv=None) -> int:
     if args.from_json:
         reports = [json.loads(p.read_text()) for p in args.from_json]
         report = {**reports[0], "runs": [r for rep in reports for r in rep["runs"]]}
+        if report.get("targets"):
+            # one headline for the joined map: the first target 'alone' reaches in no cell of
+            # any of the runs (each run's own may differ), each row's bound at it
+            from _e2e_targets import add_bound, pick_headline
+
+            report["headline"], report["headline_why"] = pick_headline(report["targets"],
+                                                                       report["runs"])
+            add_bound(report["runs"], report["headline"])
     else:
         import e2e
 
@@ -207,9 +215,12 @@ def main(argv=None) -> int:
     args.json.write_text(json.dumps({"config": report.get("config"), "cells": entries,
                                      "plot": str(png) if png else None}, indent=1))
     for e in entries:
-        print(f"{e['label']:>20}: winner {e['winner']} (margin {e['margin']}), "
-              f"auto {e['auto']} ({e['auto_vs_best']}x best), "
-              f"alone {e['alone_vs_best'] or 'never'}{'x best' if e['alone_vs_best'] else ''}")
+        def x(v):
+            return "-" if v is None else f"{v:.2f}x"
+
+        print(f"{e['label']:>20} ({e['target']}): winner {e['winner']} (margin "
+              f"{x(e['margin'])}), auto {e['auto']} ({x(e['auto_vs_best'])} best), alone "
+              + (f"{x(e['alone_vs_best'])} best" if e["alone_vs_best"] else "never got there"))
     print(f"json: {args.json}; plot: {png}")
     return 0
 
