@@ -69,7 +69,9 @@ class Display:
         try:
             from tqdm import tqdm
 
+            # a log (not a terminal) gets a bar every 30 s, not one per progress update
             self._tqdm = tqdm(total=self.total, unit="row", file=sys.stdout, ncols=78,
+                              mininterval=0.5 if sys.stdout.isatty() else 30.0,
                               bar_format="{desc} {bar} {n:.1f}/{total} "
                                          "[{elapsed}<{remaining}]")
             self.kind = "tqdm"
@@ -90,7 +92,8 @@ class Display:
             self._rich.update(self._task, completed=done, description=desc[:28])
         elif self._tqdm is not None:
             self._tqdm.n = done
-            self._tqdm.set_description_str(desc[:24], refresh=True)
+            self._tqdm.set_description_str(desc[:24], refresh=False)
+            self._tqdm.update(0)         # redraws when mininterval has passed
         elif time.monotonic() - self.last_plain >= PLAIN_EVERY_S:
             self.last_plain = time.monotonic()
             print(f"{desc}: " + text_bar(done, self.total, self.last_plain - self.t0),

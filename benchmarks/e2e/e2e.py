@@ -1,6 +1,6 @@
 """The main job: torch DDP against every bagua algorithm, end to end, on emulated networks.
 
-    python benchmarks/e2e.py --quick          # 2 hosts x 2 processes, 100 Mbit/s: ~4 min
+    python benchmarks/e2e.py --quick          # 2 hosts x 2 processes, 100 Mbit/s
     python benchmarks/e2e.py --hosts 4 --bandwidths 100,1000 --json out/e2e.json
     python benchmarks/e2e.py --hosts 4 --bandwidths 100 --latencies 0,5,50   # with latency
 
@@ -9,9 +9,11 @@ a network namespace behind a ``tc``-shaped link, and launches a real multi-node 
 ``torchrun --nnodes N --nproc-per-node M`` (c10d rendezvous across the namespaces, gloo, one
 thread per process; the M processes of a host talk over its loopback, hosts over the shaped
 link).  The job trains the same transformer on the same generated data with torch DDP (plain,
-``fp16_compress_hook``, PowerSGD) and with each bagua algorithm and mode (``_e2e_rows``) and
-reports the wall time each needs to reach the held-out loss DDP reaches after N steps (the
-headline), samples/s, time per step split into compute and exposed communication, bytes sent
+``fp16_compress_hook``, PowerSGD), with each bagua algorithm and mode (``_e2e_rows``) and
+``alone`` (every rank on its own shard, no communication: the floor) and reports the steps and
+wall time each needs to reach DDP's held-out loss after N/4 .. 4N steps (``--depths``; DDP
+trains to the deepest), the headline target (the first that ``alone`` does not reach:
+``_e2e_targets``), each row's compute-only bound and efficiency there, samples/s, time per step split into compute and exposed communication, bytes sent
 per rank per step (measured on the host's interface), the loss after N steps and after T
 seconds.  An algorithm bagua_algos does not provide is reported as unavailable, never
 skipped; so is ``ft_diloco`` (torchft's DiLoCo, the peer of ``diloco``: ``_e2e_ft``) where
