@@ -212,7 +212,7 @@ def verdict(runs: list[dict], targets: list[dict]) -> list[str]:
 _COLUMNS = [("bandwidth", "left"), ("latency", "right"), ("algorithm", "left"), ("mode", "left"),
             ("MB/st/rk", "right"), ("step ms", "right"), ("compute", "right"),
             ("loss@N", "right"), ("to H s", "right"), ("steps to H", "right"),
-            ("x DDP at H", "right"), ("bound s", "right"), ("eff", "right")]
+            ("x DDP's time at H", "right"), ("bound s", "right"), ("eff", "right")]
 
 
 def _mode(r: dict) -> str:
@@ -267,7 +267,7 @@ def _rows(runs: list[dict]) -> list[list[str]]:
                      f"{r['bytes_per_step'] / 1e6:.2f}", f"{r['step_s'] * 1e3:.0f}",
                      f"{r['compute_s'] * 1e3:.0f}", f"{r['loss']:.3f}{star}",
                      "-" if t is None else f"{t:.1f}", "-" if k is None else str(k),
-                     f"{t_ddp / t:.2f}" if t and t_ddp else "-",
+                     f"{t / t_ddp:.2f}" if t and t_ddp else "-",
                      "-" if r.get("bound_s") is None else f"{r['bound_s']:.1f}",
                      "-" if r.get("efficiency") is None else f"{r['efficiency']:.2f}"])
     return rows

@@ -23,14 +23,14 @@ SHORT = {
     "topk_1pct_u4": "topk1pct_u4",
 }
 COLUMNS = (("algorithm", NAME), ("MB/st", 6), ("ms/st", 6), ("loss@N", 6), ("hit", 3),
-           ("to H s", 6), ("st>H", 4), ("xDDP", 5), ("bound", 6), ("eff", 4))
+           ("to H s", 6), ("st>H", 4), ("t/DDP", 5), ("bound", 6), ("eff", 4))
 LEGEND = (
     "MB/st: MB each rank sent per step (wire: on the host's interface; no testbed: counted "
     "by the communication layer).  ms/st: wall ms per step in the timed window.  loss@N: "
     "held-out loss after N steps (*: the mean over the ranks' different models).  hit: "
     "targets reached of all.  to H s / st>H: training seconds / steps to the headline "
-    "target H ('-': not within the budget).  xDDP: DDP's time to H / this row's (> 1: "
-    "sooner).  bound: the compute-only bound, DDP's steps to H x the slowest rank's "
+    "target H ('-': not within the budget).  t/DDP: this row's time to H as a multiple of "
+    "DDP's (< 1: sooner).  bound: the compute-only bound, DDP's steps to H x the slowest rank's "
     "compute time of a step (s; the median of the cell's rows' measurements).  eff: bound / time to H (1 = the physical limit).")
 
 
@@ -56,7 +56,7 @@ def _row(r: dict, headline: str | None, ddp: dict | None) -> list[str]:
             f"{r['loss']:.3f}{star}",
             f"{sum(v is not None for v in hit.values())}/{len(hit)}", _fmt(t, ".1f"),
             _fmt((r.get("steps_to_target") or {}).get(headline), "d"),
-            _fmt(t_ddp / t if t and t_ddp else None, ".2f"), _fmt(r.get("bound_s"), ".1f" if (r.get("bound_s") or 0) >= 10 else ".2f"),
+            _fmt(t / t_ddp if t and t_ddp else None, ".2f"), _fmt(r.get("bound_s"), ".1f" if (r.get("bound_s") or 0) >= 10 else ".2f"),
             _fmt(r.get("efficiency"), ".2f")]
 
 

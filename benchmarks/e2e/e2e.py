@@ -457,7 +457,7 @@ def main(argv=None) -> int:
         "testbed": {"used": ok, "why": why, "mode": tb.mode if tb else None},
         "model": {"size": args.size, "params": num_params(model),
                   "loss_at_init": initial_loss(data.vocab), "loss_floor": data.entropy()},
-        # DESIGN §10: the targets at depth and the headline (the issue-era performance goals
+        # docs/design.md §10: the targets at depth and the headline (the issue-era performance goals
         # are "goals")
         "targets": depth_targets, "headline": headline, "headline_why": why_headline,
         "runs": runs, "goals": targets, "verdict": lines,
