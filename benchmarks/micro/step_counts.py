@@ -1,0 +1,343 @@
+#!/usr/bin/env python3
+"""Host work of one training step: torch DDP, every with_bagua algorithm, and DDP with bagua's
+ByteGrad comm hook, counted exactly on CPU (2 gloo ranks), plus an overhead-bound timing.
+
+    python benchmarks/micro/step_counts.py                      # counts + timing (~3 min)
+    python benchmarks/micro/step_counts.py --no-timing          # counts only
+    python benchmarks/micro/step_counts.py --json out.json      # also write the figures
+
+Counts, per variant, over one training step (zero_grad, forward, backward, optimizer step),
+as the wrapped step minus the same step of the unwrapped model on the same rank:
+
+* ``buckets``: DDP's (``reducer._get_zeros_like_grad_buckets()``), bagua's ``len(buckets)``;
+* ``ops``: aten and c10d ops seen by a ``TorchDispatchMode`` on every thread that runs during
+  the step (the mode is pushed in each new thread, so bagua's worker threads count too);
+* ``calls``: Python function calls (``sys.setprofile`` / ``threading.setprofile`` "call"
+  events, every thread);
+* ``handoffs``: work handed to another thread (calls of ``ThreadPoolExecutor.submit``,
+  ``Thread.start`` and ``queue`` ``put``).
+
+Models: ``mlp`` (Linear 1024-256-256-256-256-10, 10 tensors) and ``t100`` (50 Linear(32, 32),
+100 tensors); bucket size ``--bucket-kib`` (16 KiB) for both DDP (``bucket_cap_mb``) and
+with_bagua (``bucket_size``).
+
+Timing (``--timing``, default on): batch 1 through 40 Linear(64, 64) layers, at 1 and 2 ranks,
+median step time of each variant against DDP in alternating rounds, and the A/A band: the
+same measurement of DDP against a second DDP (the ratio a variant must leave to differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+ALGORITHMS = ["gradient_allreduce", "bytegrad", "qadam", "decentralized",
+              "low_precision_decentralized", "async", "topk", "low_rank", "diloco",
+              "local_sgd"]
+TIMED = ["gradient_allreduce", "bytegrad", "qadam", "ddp_hook"]
+_HANDOFF = {("submit", "thread.py"), ("start", "threading.py"), ("put", "queue.py")}
+
+
+def make_model(name: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if name == "mlp":
+        dims = [1024, 256, 256, 256, 256, 10]
+    elif name == "t100":
+        dims = [32] * 51
+    elif name == "deep":                     # the overhead-bound timing model
+        dims = [64] * 41
+    else:
+        raise ValueError(f"model must be mlp, t100 or deep, got {name!r}")
+    layers = []
+    for a, b in zip(dims, dims[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def _batch(model_name: str, batch: int, rank: int):
+    g = torch.Generator().manual_seed(rank)
+    d_in = {"mlp": 1024, "t100": 32, "deep": 64}[model_name]
+    d_out = {"mlp": 10, "t100": 32, "deep": 64}[model_name]
+    return torch.randn(batch, d_in, generator=g), torch.randint(0, d_out, (batch,), generator=g)
+
+
+def _step(model, opt, x, y):
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+# -- counting ---------------------------------------------------------------------------------
+class _Counter:
+    """Counts ops (one step, under a dispatch mode) and Python calls and hand-offs (another
+    step, without it: the mode's own Python would count) on every thread."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                with counter.lock:
+                    counter.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        self.Mode = Mode
+        self.lock = threading.Lock()
+        self.phase = None                # "ops", "calls" or None
+        self.ops = self.calls = self.handoffs = 0
+        self._threads = threading.local()
+
+    def _prof(self, frame, event, _arg):
+        tls = self._threads
+        # a worker thread follows the phase at its next event: the mode is on only for "ops"
+        want = self.phase == "ops" and tls.worker
+        if want != (tls.mode is not None):
+            if want:
+                tls.mode = self.Mode()
+                tls.mode.__enter__()
+            else:
+                mode, tls.mode = tls.mode, None
+                mode.__exit__(None, None, None)
+        if event != "call" or self.phase != "calls":
+            return
+        code = frame.f_code
+        with self.lock:
+            self.calls += 1
+            if (code.co_name, code.co_filename.rsplit("/", 1)[-1]) in _HANDOFF:
+                self.handoffs += 1
+
+    def _thread_entry(self, frame, event, arg):
+        self._threads.worker = True
+        self._threads.mode = None
+        sys.setprofile(self._prof)
+        self._prof(frame, event, arg)
+
+    def install(self):
+        """Before any worker thread exists: every later thread is counted."""
+        threading.setprofile(self._thread_entry)
+
+    def count(self, step):
+        """Ops of one call of ``step``, Python calls and hand-offs of the next one."""
+        self._threads.worker = False
+        self._threads.mode = None
+        self.ops = self.calls = self.handoffs = 0
+        self.phase = "ops"
+        try:
+            with self.Mode():
+                step()
+        finally:
+            self.phase = None
+        time.sleep(0.05)            # worker threads finish and leave the mode
+        self.phase = "calls"
+        sys.setprofile(self._prof)
+        try:
+            step()
+        finally:
+            sys.setprofile(None)
+            self.phase = None
+        time.sleep(0.05)
+        return {"ops": self.ops, "calls": self.calls, "handoffs": self.handoffs}
+
+
+def _algorithm(name, opt):
+    from bagua_algos import Algorithm, QAdam
+
+    if name == "qadam":
+        return QAdam(opt)
+    if name == "async":
+        return Algorithm.init("async", sync_interval_ms=10_000)
+    return Algorithm.init(name)
+
+
+def _optimizer(name, model):
+    from bagua_algos import QAdamOptimizer
+
+    if name == "qadam":
+        return QAdamOptimizer(model.parameters(), lr=1e-3, warmup_steps=2)
+    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+
+def _variant(name, model_name, bucket_bytes):
+    """(step callable, buckets, cleanup) for one variant."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from bagua_algos import with_bagua
+
+    model = make_model(model_name)
+    opt = _optimizer(name, model)
+    if name in ("ddp", "ddp_hook", "ddp_b"):
+        ddp = DistributedDataParallel(model, process_group=dist.group.WORLD,
+                                      bucket_cap_mb=bucket_bytes / 2**20)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
+        if name == "ddp_hook":
+            from bagua_algos.ddp_hooks import CompressionHookState, compressed_allreduce_hook
+
+            ddp.register_comm_hook(CompressionHookState(), compressed_allreduce_hook)
+        return ddp, opt, lambda: len(ddp.reducer._get_zeros_like_grad_buckets()), \
+            lambda: None
+    wrapped = with_bagua(model, [opt], _algorithm(name, opt), bucket_size=bucket_bytes)
+
+    def close():
+        if name == "async":
+            wrapped.abort()
+        wrapped.detach_algorithm()
+    return wrapped, opt, lambda: len(wrapped.buckets), close
+
+
+def _count_rank(counter_box, models, variants, bucket_bytes, warmup):
+    import bagua_comm as bc
+
+    counter = counter_box[0]
+    out = {}
+    for model_name in models:
+        x, y = _batch(model_name, 8, bc.get_rank())
+        base = make_model(model_name)
+        base_opt = torch.optim.SGD(base.parameters(), lr=1e-3, momentum=0.9)
+        for _ in range(warmup):
+            _step(base, base_opt, x, y)
+        plain = counter.count(lambda: _step(base, base_opt, x, y))
+        rows = {}
+        for name in variants:
+            model, opt, buckets, close = _variant(name, model_name, bucket_bytes)
+            for _ in range(warmup):
+                _step(model, opt, x, y)
+            bc.barrier()
+            got = counter.count(lambda: _step(model, opt, x, y))
+            rows[name] = {"buckets": buckets(), "ops": got["ops"] - plain["ops"],
+                          "calls": got["calls"] - plain["calls"],
+                          "handoffs": got["handoffs"] - plain["handoffs"]}
+            close()
+            bc.barrier()
+        out[model_name] = rows
+    return out
+
+
+_COUNTER: list = []
+
+
+def count_main(models, variants, bucket_bytes, warmup):
+    return _count_rank(_COUNTER, models, variants, bucket_bytes, warmup)
+
+
+def _install_counter():
+    _COUNTER.append(_Counter())
+    _COUNTER[0].install()
+
+
+# -- timing -----------------------------------------------------------------------------------
+def time_main(variants, rounds, steps, warmup):
+    """Median step time per variant; each round runs DDP, a second DDP (A/A) and every
+    variant back to back in a rotating order."""
+    import bagua_comm as bc
+
+    x, y = _batch("deep", 1, bc.get_rank())
+    names = ["ddp", "ddp_b", *variants]
+    built = {n: _variant(n, "deep", 1 << 20) for n in names}
+    for n in names:
+        for _ in range(warmup):
+            _step(built[n][0], built[n][1], x, y)
+    ratios = {n: [] for n in names if n != "ddp"}
+    medians = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        this = {}
+        for n in order:
+            model, opt = built[n][0], built[n][1]
+            bc.barrier()
+            ts = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                _step(model, opt, x, y)
+                ts.append(time.perf_counter() - t0)
+            this[n] = statistics.median(ts)
+            medians[n].append(this[n])
+        for n in ratios:
+            ratios[n].append(this[n] / this["ddp"])
+    for n in names:
+        built[n][3]()
+    out = {"step_ms": {n: 1e3 * statistics.median(v) for n, v in medians.items()},
+           "ratio": {n: statistics.median(v) for n, v in ratios.items()}}
+    aa = sorted(ratios["ddp_b"])
+    lo, hi = aa[len(aa) // 10], aa[-1 - len(aa) // 10]
+    out["aa_band"] = [min(lo, 1 / hi), max(hi, 1 / lo)]
+    return out
+
+
+# -- main -------------------------------------------------------------------------------------
+def _table(title, header, rows):
+    print(f"\n{title}")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join(str(c).rjust(w) if i else str(c).ljust(w)
+                        for i, (c, w) in enumerate(zip(r, widths))))
+
+
+def main(argv=None):
+    from bagua_comm.testing import run_ranks
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="mlp,t100")
+    ap.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    ap.add_argument("--bucket-kib", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--no-timing", dest="timing", action="store_false")
+    ap.add_argument("--no-counts", dest="counts", action="store_false")
+    ap.add_argument("--timed", default=",".join(TIMED), help="variants timed against DDP")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=5, help="steps per variant per round")
+    ap.add_argument("--json", default=None, help="write the figures to this file")
+    args = ap.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    variants = ["ddp", *[a for a in args.algorithms.split(",") if a], "ddp_hook"]
+    result = {"bucket_bytes": args.bucket_kib * 1024, "argv": sys.argv[1:]}
+    if args.counts:
+        got = run_ranks(_counted_entry, 2, args=(models, variants, args.bucket_kib * 1024,
+                                                 args.warmup), timeout=900)[0]
+        result["counts"] = got
+        for model_name, rows in got.items():
+            ddp = rows["ddp"]
+            table = []
+            for name, r in rows.items():
+                table.append([name, r["buckets"], r["ops"], r["calls"], r["handoffs"],
+                              f"{r['calls'] / max(ddp['calls'], 1):.2f}",
+                              f"{r['ops'] / max(r['buckets'], 1):.1f}"])
+            _table(f"{model_name}: per step, wrapped minus unwrapped (rank 0, 2 gloo ranks, "
+                   f"{args.bucket_kib} KiB buckets)",
+                   ["variant", "buckets", "extra ops", "py calls", "hand-offs",
+                    "calls/DDP", "ops/bucket"], table)
+    if args.timing:
+        timed = [t for t in args.timed.split(",") if t]
+        result["timing"] = {}
+        for n in (1, 2):
+            got = run_ranks(time_main, n, args=(timed, args.rounds, args.steps, 3),
+                            timeout=1800)[0]
+            result["timing"][str(n)] = got
+            band = got["aa_band"]
+            rows = [[name, f"{ms:.3f}", f"{got['ratio'].get(name, 1.0):.3f}"]
+                    for name, ms in got["step_ms"].items()]
+            _table(f"overhead-bound step (batch 1, 40 x Linear(64, 64)), {n} rank(s); A/A band "
+                   f"(DDP vs DDP) {band[0]:.3f}-{band[1]:.3f}",
+                   ["variant", "median ms", "x DDP"], rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def _counted_entry(models, variants, bucket_bytes, warmup):
+    """Installs the thread counter first: bagua's worker threads start lazily, later."""
+    _install_counter()
+    return count_main(models, variants, bucket_bytes, warmup)
+
+
+if __name__ == "__main__":
+    main()
