@@ -105,6 +105,15 @@ def _unit(compressor, chunks, k, n):
     return math.lcm(whole, n * part)
 
 
+_OP_CODES = {ReduceOp.SUM: 0, ReduceOp.AVG: 1, ReduceOp.MIN: 2, ReduceOp.MAX: 3}
+
+
+def _fused(compressor) -> bool:
+    """MinMaxUInt8 (with its own ``decompress``) decodes and reduces the rows in one call."""
+    return (isinstance(compressor, MinMaxUInt8)
+            and type(compressor).decompress is MinMaxUInt8.decompress)
+
+
 def _check_payload(compressor, payload, size, numel, chunks) -> None:
     """A compressor's output must be the uint8 tensor its ``payload_numel`` promised (every rank
     runs the same compressor on the same sizes, so every rank raises together)."""
@@ -136,9 +145,14 @@ def _run(be, send, recv, op, compressor, k, seg, key):
     received = be.scratch("received", size, torch.uint8, dev)
     be.exchange(received.view(n, -1), payload.view(n, -1))
     # 2. reduce my segment in float32
-    parts = be.scratch("parts", padded, torch.float32, dev)
-    compressor.decompress(received, parts, chunks=chunks, dtype=send.dtype)
-    mine = reduce_rows(parts.view(n, seg), op, out=be.scratch("mine", seg, torch.float32, dev))
+    mine = be.scratch("mine", seg, torch.float32, dev)
+    if _fused(compressor):      # decode the n rows and reduce them in one kernel call
+        compressor._decompress_reduce(received, mine, chunks=chunks, dtype=send.dtype, rows=n,
+                                      op=_OP_CODES[op])
+    else:
+        parts = be.scratch("parts", padded, torch.float32, dev)
+        compressor.decompress(received, parts, chunks=chunks, dtype=send.dtype)
+        mine = reduce_rows(parts.view(n, seg), op, out=mine)
     # 3. gather: every rank's re-compressed segment
     own_size = compressor.payload_numel(seg, chunks=k)
     own = compressor.compress(mine.to(send.dtype), chunks=k, key=f"{key}/gather",

@@ -5,7 +5,11 @@ Inputs are float32 (``float``) or 16-bit floats passed as their raw bits (``uint
 float16 through a lookup table, bfloat16 by a shift); every value is widened to float32
 exactly and all arithmetic is float32.  Rounding is round-half-to-even (``rint``), written
 with the 2**23 trick so that it is exact without SSE4.1 and identical to CUDA's ``rintf``.
-Headers (the ``[min, max]`` pair in the tensor's own type) are written by the caller.
+``compress_records`` writes a whole payload in one call (per chunk: min/max, the ``[min,
+max]`` header in the tensor's own type, codes, zero padding); ``decode_reduce`` decodes the
+records of several ranks, headers included, and reduces them into one float32 output (the
+per-bucket calls of ``compressed_allreduce``).  ``minmax``/``encode``/``decode`` take the
+headers from (and leave them to) the caller.
 float32 input takes the SSE2 loops of ``_minmax_simd.h`` (same operations, same bytes) for
 the min/max pass and the 4-bit codes; 16-bit input the loops below.
 
@@ -332,3 +336,134 @@ def decode4(const uint8_t[::1] payload, Py_ssize_t record, Py_ssize_t header,
                 pairs[2 * b + 1] = pairs[2 * (b >> 4)]
             bagua_decode4_f32(&payload[c * record + header], m // 2, pairs, &out[c * m],
                               out.shape[0] >= STREAM_FLOATS)
+
+
+# -- fused whole-bucket entry points: headers and padding written here, one call per bucket ----
+cdef inline uint16_t _f32_to_f16_exact(float v) noexcept nogil:
+    """float16 bits of ``v``, a float16 value widened exactly (a chunk's min or max)."""
+    cdef uint32_t b
+    cdef uint32_t sign
+    cdef int e
+    memcpy(&b, &v, 4)
+    sign = (b >> 16) & 0x8000
+    if v != v:
+        return 0x7E00                                  # the canonical quiet NaN
+    if v == 0:
+        return <uint16_t>sign
+    e = <int>((b >> 23) & 0xff) - 127
+    if e >= -14:
+        return <uint16_t>(sign | ((e + 15) << 10) | ((b >> 13) & 0x3ff))
+    return <uint16_t>(sign | <uint32_t>(fabsf(v) * <float>16777216.0))   # subnormal: m * 2^-24
+
+
+cdef inline void _put_header(uint8_t* rec, float mn, float mx, int kind) noexcept nogil:
+    """``[min, max]`` in the input's type, then zeros up to the header's 32 bytes."""
+    cdef uint16_t h[2]
+    cdef uint32_t bits
+    memset(rec, 0, 32)
+    if kind == KIND_F32:
+        memcpy(rec, &mn, 4)
+        memcpy(rec + 4, &mx, 4)
+        return
+    if kind == KIND_BF16:
+        memcpy(&bits, &mn, 4)
+        h[0] = 0x7FC0 if mn != mn else <uint16_t>(bits >> 16)
+        memcpy(&bits, &mx, 4)
+        h[1] = 0x7FC0 if mx != mx else <uint16_t>(bits >> 16)
+    else:
+        h[0] = _f32_to_f16_exact(mn)
+        h[1] = _f32_to_f16_exact(mx)
+    memcpy(rec, h, 4)
+
+
+cdef inline void _get_header(const uint8_t* rec, int kind, const float* lut, float* mn,
+                             float* mx) noexcept nogil:
+    cdef uint16_t h[2]
+    if kind == KIND_F32:
+        memcpy(mn, rec, 4)
+        memcpy(mx, rec + 4, 4)
+        return
+    memcpy(h, rec, 4)
+    if kind == KIND_BF16:
+        mn[0] = _bits_to_f32((<uint32_t>h[0]) << 16)
+        mx[0] = _bits_to_f32((<uint32_t>h[1]) << 16)
+    else:
+        mn[0] = lut[h[0]]
+        mx[0] = lut[h[1]]
+
+
+def compress_records(const src_t[::1] src, int kind, const float[::1] lut, Py_ssize_t chunks,
+                     uint8_t[::1] payload, Py_ssize_t record):
+    """The whole MinMaxUInt8 payload of ``src`` in one call: per chunk its min/max, header
+    (in the input's type, canonical NaN, zero-padded to 32 bytes), codes and zero padding to
+    ``record`` bytes.  ``payload`` holds ``chunks * record`` bytes."""
+    cdef Py_ssize_t m = src.shape[0] // chunks
+    cdef Py_ssize_t c
+    cdef float mn, mx
+    cdef const float* tab = &lut[0] if lut.shape[0] else NULL
+    cdef const src_t* p = &src[0]
+    cdef uint8_t* rec
+    if payload.shape[0] != chunks * record or record < 32 + m:
+        raise ValueError(f"payload must hold {chunks} records of at least {32 + m} bytes")
+    with nogil:
+        for c in range(chunks):
+            rec = &payload[c * record]
+            _minmax_one(p + c * m, m, kind, tab, &mn, &mx)
+            _put_header(rec, mn, mx, kind)
+            _encode_one(p + c * m, m, kind, tab, mn, mx, rec + 32)
+            memset(rec + 32 + m, 0, record - 32 - m)
+
+
+cdef enum:
+    OP_SUM = 0
+    OP_AVG = 1
+    OP_MIN = 2
+    OP_MAX = 3
+
+
+def decode_reduce(const uint8_t[::1] payload, Py_ssize_t record, Py_ssize_t chunks,
+                  Py_ssize_t rows, int kind, const float[::1] lut, float[::1] out, int op):
+    """Decode ``rows`` concatenated payloads of ``chunks / rows`` records each (headers read
+    here, in the type ``kind``) and reduce them element by element into ``out`` (float32,
+    one row's elements): ``op`` 0 sum, 1 average (the sum, then divided by ``rows``), 2 min,
+    3 max (a NaN wins), rows accumulated in order.  ``rows=1, op=0`` is a plain decode."""
+    cdef Py_ssize_t n = out.shape[0]
+    cdef Py_ssize_t k = chunks // rows
+    cdef Py_ssize_t m = n // k
+    cdef Py_ssize_t r, j, i
+    cdef float mn, mx, scale, lower, v, a
+    cdef float denom = <float>rows
+    cdef const float* tab = &lut[0] if lut.shape[0] else NULL
+    cdef const uint8_t* rec
+    cdef float* dst
+    if rows < 1 or chunks % rows or n % k or payload.shape[0] != chunks * record \
+            or record < 32 + m:
+        raise ValueError("decode_reduce: payload, rows and out disagree")
+    with nogil:
+        for r in range(rows):
+            for j in range(k):
+                rec = &payload[(r * k + j) * record]
+                _get_header(rec, kind, tab, &mn, &mx)
+                scale = _scale(mn, mx)
+                lower = _rint(mx * scale) - <float>255.0
+                rec = rec + 32
+                dst = &out[j * m]
+                if r == 0:
+                    for i in range(m):
+                        dst[i] = (<float>rec[i] + lower) / scale
+                elif op == OP_SUM or op == OP_AVG:
+                    for i in range(m):
+                        dst[i] = dst[i] + (<float>rec[i] + lower) / scale
+                elif op == OP_MIN:
+                    for i in range(m):
+                        v = (<float>rec[i] + lower) / scale
+                        a = dst[i]
+                        dst[i] = v if (v < a or v != v) else a
+                else:
+                    for i in range(m):
+                        v = (<float>rec[i] + lower) / scale
+                        a = dst[i]
+                        dst[i] = v if (v > a or v != v) else a
+        if op == OP_AVG and rows > 1:
+            for i in range(n):
+                out[i] = out[i] / denom

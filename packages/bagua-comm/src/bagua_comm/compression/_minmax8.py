@@ -1,19 +1,21 @@
 """MinMaxUInt8: 8-bit min-max quantisation, Bagua's ByteGrad format (the format is described
 in :mod:`bagua_comm.compression`).
 
-On CPU the kernels are Cython (``bagua_comm._minmax``: ``minmax_encode`` / ``decode``, without
-the GIL); on CUDA the CuPy kernels of ``_minmax_cupy`` (which imports CuPy at its first call).
+On CPU the kernels are Cython (``bagua_comm._minmax``: ``compress_records`` /
+``decode_reduce``, without the GIL); on CUDA the CuPy kernels of ``_minmax_cupy`` (which
+imports CuPy at its first call).  Either way one kernel call writes a tensor's whole payload
+(min/max, headers, codes, padding) and one decodes it (several ranks' payloads reduced into one
+output: ``compressed_allreduce``'s reduce), with no torch operation around them.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .. import _minmax
 from . import _format, _minmax_cupy
 from ._error_feedback import _WithErrorFeedback
-from ._format import HEADER_BYTES, KINDS, as_numpy, lut, read_headers, record_bytes, write_headers
+from ._format import KINDS, as_numpy, lut, record_bytes
 
 
 class MinMaxUInt8(_WithErrorFeedback):
@@ -57,7 +59,7 @@ class MinMaxUInt8(_WithErrorFeedback):
         chunks = self._chunks(chunks)
         _format.check_float("tensor", tensor, "MinMaxUInt8")
         _check_divisible(tensor.numel(), chunks, "tensor")
-        flat = tensor.detach().reshape(-1)
+        flat = _flat(tensor)
         if out is not None:
             _format.check_out(out, chunks * record_bytes(flat.numel() // chunks), flat.device)
         if self._ef is not None:
@@ -71,19 +73,41 @@ class MinMaxUInt8(_WithErrorFeedback):
         ``dtype`` is the type the headers were written in (default ``out.dtype``); decoding
         float16/bfloat16 payloads straight into a float32 ``out`` avoids a rounding step.
         """
+        return self._decompress_reduce(payload, out, chunks=chunks, dtype=dtype)
+
+    def _decompress_reduce(self, payload: torch.Tensor, out: torch.Tensor, *,
+                           chunks: int | None = None, dtype: torch.dtype | None = None,
+                           rows: int = 1, op: int = 0) -> torch.Tensor:
+        """:meth:`decompress` of ``rows`` payloads of ``chunks / rows`` records each,
+        concatenated, reduced element by element into ``out`` (one row's elements) in the
+        same kernel call: ``op`` 0 sum, 1 average, 2 min, 3 max, in float32 (bagua_comm's
+        ``compressed_allreduce`` reduces its segment this way); ``op`` 4, one row into a
+        float32 ``out``: ``out += `` the decoding (``out.add_(decompress(...))`` in one
+        pass, as LowPrecisionDecentralized updates its replicas)."""
         chunks = self._chunks(chunks)
         _format.check_float("out", out, "MinMaxUInt8")
         dtype = out.dtype if dtype is None else dtype
         _format.check_dtype(dtype)
-        _check_divisible(out.numel(), chunks, "out")
+        if rows < 1 or chunks % rows:
+            raise ValueError(f"rows ({rows}) must divide chunks ({chunks})")
+        if op not in (0, 1, 2, 3, 4) or (op == 4 and (rows != 1 or out.dtype != torch.float32)):
+            raise ValueError(f"op must be 0-3, or 4 with rows=1 and a float32 out; got op={op}")
+        _check_divisible(out.numel(), chunks // rows, "out")
         if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
             raise ValueError("payload must be a uint8 torch.Tensor (from compress())")
         if not payload.is_contiguous():
             raise ValueError("payload must be contiguous")
         _format.check_payload_fits(payload, out, chunks,
-                                   chunks * record_bytes(out.numel() // chunks))
-        _decompress(payload.reshape(-1), out.detach().view(-1), chunks, dtype)
+                                   chunks * record_bytes(out.numel() * rows // chunks))
+        _decompress(_flat(payload), _flat(out), chunks, dtype, rows, op)
         return out
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached and flat, without dispatching anything when it already is."""
+    if t.requires_grad:
+        t = t.detach()
+    return t if t.dim() == 1 else t.reshape(-1)
 
 
 def _check_divisible(numel, chunks, name="tensor"):
@@ -108,28 +132,27 @@ def _gpu():
 def _compress(flat, chunks, payload=None):
     if flat.is_cuda:
         return _gpu().compress(flat, chunks, payload)
-    m = flat.numel() // chunks
-    rec = record_bytes(m)
+    rec = record_bytes(flat.numel() // chunks)
     if payload is None:
         payload = torch.empty(chunks * rec, dtype=torch.uint8)
-    payload = payload.view(-1)
-    mins = np.empty(chunks, dtype=np.float32)
-    maxs = np.empty(chunks, dtype=np.float32)
-    _minmax.minmax_encode(as_numpy(flat), KINDS[flat.dtype], lut(flat.dtype), chunks, mins,
-                          maxs, payload.numpy(), rec, HEADER_BYTES)
-    write_headers(payload.view(chunks, rec), torch.from_numpy(mins), torch.from_numpy(maxs),
-                  flat.dtype, m)
+    elif payload.dim() != 1:
+        payload = payload.view(-1)
+    # one call: min/max, headers, codes and padding of every chunk
+    _minmax.compress_records(as_numpy(flat), KINDS[flat.dtype], lut(flat.dtype), chunks,
+                             payload.numpy(), rec)
     return payload
 
 
-def _decompress(payload, out, chunks, dtype):
+def _decompress(payload, out, chunks, dtype, rows=1, op=0):
+    """Decode ``payload`` (``rows`` payloads of ``chunks / rows`` records, concatenated) into
+    ``out``, reducing the rows with ``op`` (0 sum, 1 average, 2 min, 3 max; 4: add into
+    ``out``, one row)."""
     if out.is_cuda:
-        _gpu().decompress(payload, out, chunks, dtype)
+        _gpu().decompress(payload, out, chunks, dtype, rows=rows, op=op)
         return
-    rec = record_bytes(out.numel() // chunks)
-    mins, maxs = read_headers(payload, chunks, rec, dtype)
+    rec = record_bytes(out.numel() * rows // chunks)
     target = out if out.dtype is torch.float32 else torch.empty(out.numel(), dtype=torch.float32)
-    _minmax.decode(payload.numpy(), rec, HEADER_BYTES, chunks, mins.numpy(), maxs.numpy(),
-                   target.numpy())
+    _minmax.decode_reduce(payload.numpy(), rec, chunks, rows, KINDS[dtype], lut(dtype),
+                          target.numpy(), op)
     if target is not out:
         out.copy_(target)
