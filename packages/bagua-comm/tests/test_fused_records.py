@@ -83,3 +83,42 @@ def test_compressor_reduces_rows_in_one_call_like_decompress_then_sum():
     c._decompress_reduce(payload, out, chunks=4, rows=2, op=1)
     rows = torch.stack([c.decompress(p, torch.empty(64), chunks=2) for p in parts])
     torch.testing.assert_close(out, rows.sum(0) / 2, rtol=0, atol=0)
+
+
+class _CountOps:
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        box = self
+        self.ops = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                box.ops.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_a_bucket_is_compressed_and_decoded_without_any_torch_op(dtype):
+    """The per-bucket calls dispatch nothing on CPU: no header, padding or cast op around the
+    kernel (each one costs host time at every bucket of every step)."""
+    c = MinMaxUInt8(2)
+    x = torch.randn(128).to(dtype)
+    payload = torch.empty(c.payload_numel(128), dtype=torch.uint8)
+    out, half = torch.empty(128), torch.empty(64)
+    with _CountOps() as counted:
+        c.compress(x, out=payload)
+        c.decompress(payload, out, dtype=dtype)
+        c._decompress_reduce(payload, half, dtype=dtype, rows=2, op=1)
+    assert counted.ops == []
+    np.testing.assert_array_equal(payload.numpy(), ref.compress(x.float().numpy(),
+                                                                DTYPES[dtype], 2))

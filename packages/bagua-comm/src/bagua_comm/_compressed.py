@@ -132,18 +132,18 @@ def _run(be, send, recv, op, compressor, k, seg, key):
     padded = seg * n
     numel = send.numel()
     dev = send.device
-    x = send.view(-1)
+    x = send if send.dim() == 1 else send.view(-1)
     if padded != numel:
         x = be.scratch("padded", padded, send.dtype, dev)
         x[:numel].copy_(send.view(-1))
         x[numel:].zero_()
     # 1. scatter: my records for rank j go to rank j
     size = compressor.payload_numel(padded, chunks=chunks)
-    payload = compressor.compress(x, chunks=chunks, key=f"{key}/scatter",
-                                  out=be.scratch("payload", size, torch.uint8, dev))
+    out, out_rows = be.scratch_rows("payload", size, torch.uint8, dev, n)
+    payload = compressor.compress(x, chunks=chunks, key=f"{key}/scatter", out=out)
     _check_payload(compressor, payload, size, padded, chunks)
-    received = be.scratch("received", size, torch.uint8, dev)
-    be.exchange(received.view(n, -1), payload.view(n, -1))
+    received, received_rows = be.scratch_rows("received", size, torch.uint8, dev, n)
+    be.exchange(received_rows, out_rows if payload is out else payload.view(n, -1))
     # 2. reduce my segment in float32
     mine = be.scratch("mine", seg, torch.float32, dev)
     if _fused(compressor):      # decode the n rows and reduce them in one kernel call
@@ -158,10 +158,10 @@ def _run(be, send, recv, op, compressor, k, seg, key):
     own = compressor.compress(mine.to(send.dtype), chunks=k, key=f"{key}/gather",
                               out=be.scratch("own", own_size, torch.uint8, dev))
     _check_payload(compressor, own, own_size, seg, k)
-    gathered = be.scratch("gathered", n * own_size, torch.uint8, dev)
-    be.exchange(gathered.view(n, -1), [own] * n)
+    gathered, gathered_rows = be.scratch_rows("gathered", n * own_size, torch.uint8, dev, n)
+    be.exchange(gathered_rows, [own] * n)
     # 4. decode everything
-    out = recv.view(-1)
+    out = recv if recv.dim() == 1 else recv.view(-1)
     if padded != numel:
         full = be.scratch("full", padded, recv.dtype, dev)
         compressor.decompress(gathered, full, chunks=chunks)

@@ -398,20 +398,46 @@ def compress_records(const src_t[::1] src, int kind, const float[::1] lut, Py_ss
     (in the input's type, canonical NaN, zero-padded to 32 bytes), codes and zero padding to
     ``record`` bytes.  ``payload`` holds ``chunks * record`` bytes."""
     cdef Py_ssize_t m = src.shape[0] // chunks
-    cdef Py_ssize_t c
-    cdef float mn, mx
     cdef const float* tab = &lut[0] if lut.shape[0] else NULL
-    cdef const src_t* p = &src[0]
-    cdef uint8_t* rec
     if payload.shape[0] != chunks * record or record < 32 + m:
         raise ValueError(f"payload must hold {chunks} records of at least {32 + m} bytes")
     with nogil:
-        for c in range(chunks):
-            rec = &payload[c * record]
-            _minmax_one(p + c * m, m, kind, tab, &mn, &mx)
-            _put_header(rec, mn, mx, kind)
-            _encode_one(p + c * m, m, kind, tab, mn, mx, rec + 32)
-            memset(rec + 32 + m, 0, record - 32 - m)
+        _compress_records(&src[0], m, kind, tab, chunks, &payload[0], record)
+
+
+def compress_records_at(Py_ssize_t src, Py_ssize_t n, int kind, const float[::1] lut,
+                        Py_ssize_t chunks, Py_ssize_t payload, Py_ssize_t nbytes,
+                        Py_ssize_t record):
+    """``compress_records`` on addresses (``tensor.data_ptr()``): ``n`` elements at ``src``
+    (float32, or 16-bit floats of ``kind``), ``nbytes`` payload bytes at ``payload``.  The
+    caller guarantees both are live, contiguous CPU memory of these sizes."""
+    cdef Py_ssize_t m = n // chunks
+    cdef const float* tab = &lut[0] if lut.shape[0] else NULL
+    if n <= 0 or n % chunks or nbytes != chunks * record or record < 32 + m \
+            or (kind != KIND_F32 and kind != KIND_F16 and kind != KIND_BF16) \
+            or (kind == KIND_F16 and tab == NULL):
+        raise ValueError("compress_records_at: sizes or kind disagree")
+    with nogil:
+        if kind == KIND_F32:
+            _compress_records(<const float*>src, m, kind, tab, chunks, <uint8_t*>payload,
+                              record)
+        else:
+            _compress_records(<const uint16_t*>src, m, kind, tab, chunks, <uint8_t*>payload,
+                              record)
+
+
+cdef void _compress_records(const src_t* p, Py_ssize_t m, int kind, const float* tab,
+                            Py_ssize_t chunks, uint8_t* payload,
+                            Py_ssize_t record) noexcept nogil:
+    cdef Py_ssize_t c
+    cdef float mn, mx
+    cdef uint8_t* rec
+    for c in range(chunks):
+        rec = payload + c * record
+        _minmax_one(p + c * m, m, kind, tab, &mn, &mx)
+        _put_header(rec, mn, mx, kind)
+        _encode_one(p + c * m, m, kind, tab, mn, mx, rec + 32)
+        memset(rec + 32 + m, 0, record - 32 - m)
 
 
 cdef enum:
@@ -427,43 +453,60 @@ def decode_reduce(const uint8_t[::1] payload, Py_ssize_t record, Py_ssize_t chun
     here, in the type ``kind``) and reduce them element by element into ``out`` (float32,
     one row's elements): ``op`` 0 sum, 1 average (the sum, then divided by ``rows``), 2 min,
     3 max (a NaN wins), rows accumulated in order.  ``rows=1, op=0`` is a plain decode."""
-    cdef Py_ssize_t n = out.shape[0]
-    cdef Py_ssize_t k = chunks // rows
+    decode_reduce_at(<Py_ssize_t>&payload[0], payload.shape[0], record, chunks, rows, kind, lut,
+                     <Py_ssize_t>&out[0], out.shape[0], op)
+
+
+def decode_reduce_at(Py_ssize_t payload, Py_ssize_t nbytes, Py_ssize_t record,
+                     Py_ssize_t chunks, Py_ssize_t rows, int kind, const float[::1] lut,
+                     Py_ssize_t out, Py_ssize_t n, int op):
+    """``decode_reduce`` on addresses (``tensor.data_ptr()``): ``nbytes`` payload bytes and
+    ``n`` float32 outputs, live contiguous CPU memory the caller vouches for."""
+    cdef Py_ssize_t k
+    cdef const float* tab = &lut[0] if lut.shape[0] else NULL
+    if rows < 1 or chunks % rows or n <= 0:
+        raise ValueError("decode_reduce: payload, rows and out disagree")
+    k = chunks // rows
+    if n % k or nbytes != chunks * record or record < 32 + n // k \
+            or (kind == KIND_F16 and tab == NULL):
+        raise ValueError("decode_reduce: payload, rows and out disagree")
+    with nogil:
+        _decode_reduce(<const uint8_t*>payload, record, k, rows, kind, tab, <float*>out, n, op)
+
+
+cdef void _decode_reduce(const uint8_t* payload, Py_ssize_t record, Py_ssize_t k,
+                         Py_ssize_t rows, int kind, const float* tab, float* out, Py_ssize_t n,
+                         int op) noexcept nogil:
     cdef Py_ssize_t m = n // k
     cdef Py_ssize_t r, j, i
     cdef float mn, mx, scale, lower, v, a
     cdef float denom = <float>rows
-    cdef const float* tab = &lut[0] if lut.shape[0] else NULL
     cdef const uint8_t* rec
     cdef float* dst
-    if rows < 1 or chunks % rows or n % k or payload.shape[0] != chunks * record \
-            or record < 32 + m:
-        raise ValueError("decode_reduce: payload, rows and out disagree")
-    with nogil:
-        for r in range(rows):
-            for j in range(k):
-                rec = &payload[(r * k + j) * record]
-                _get_header(rec, kind, tab, &mn, &mx)
-                scale = _scale(mn, mx)
-                lower = _rint(mx * scale) - <float>255.0
-                rec = rec + 32
-                dst = &out[j * m]
-                if r == 0:
-                    for i in range(m):
-                        dst[i] = (<float>rec[i] + lower) / scale
-                elif op == OP_SUM or op == OP_AVG:
-                    for i in range(m):
-                        dst[i] = dst[i] + (<float>rec[i] + lower) / scale
-                elif op == OP_MIN:
-                    for i in range(m):
-                        v = (<float>rec[i] + lower) / scale
-                        a = dst[i]
-                        dst[i] = v if (v < a or v != v) else a
-                else:
-                    for i in range(m):
-                        v = (<float>rec[i] + lower) / scale
-                        a = dst[i]
-                        dst[i] = v if (v > a or v != v) else a
-        if op == OP_AVG and rows > 1:
-            for i in range(n):
-                out[i] = out[i] / denom
+    for r in range(rows):
+        for j in range(k):
+            rec = payload + (r * k + j) * record
+            _get_header(rec, kind, tab, &mn, &mx)
+            scale = _scale(mn, mx)
+            lower = _rint(mx * scale) - <float>255.0
+            rec = rec + 32
+            dst = out + j * m
+            if r == 0:
+                for i in range(m):
+                    dst[i] = (<float>rec[i] + lower) / scale
+            elif op == OP_SUM or op == OP_AVG:
+                for i in range(m):
+                    dst[i] = dst[i] + (<float>rec[i] + lower) / scale
+            elif op == OP_MIN:
+                for i in range(m):
+                    v = (<float>rec[i] + lower) / scale
+                    a = dst[i]
+                    dst[i] = v if (v < a or v != v) else a
+            else:
+                for i in range(m):
+                    v = (<float>rec[i] + lower) / scale
+                    a = dst[i]
+                    dst[i] = v if (v > a or v != v) else a
+    if op == OP_AVG and rows > 1:
+        for i in range(n):
+            out[i] = out[i] / denom

@@ -103,5 +103,15 @@ class Backend:
             buf = self._scratch[key] = torch.empty(numel, dtype=dtype, device=device)
         return buf
 
+    def scratch_rows(self, tag, numel: int, dtype: torch.dtype, device, n: int):
+        """:meth:`scratch` and its ``n`` equal rows as views, made once per buffer (an
+        exchange of the rows then dispatches no view or select per call)."""
+        buf = self.scratch(tag, numel, dtype, device)
+        key = ("rows", tag, numel, dtype, device, n)
+        got = self._scratch.get(key)
+        if got is None or got[0] is not buf:
+            got = self._scratch[key] = (buf, buf.view(n, -1).unbind(0))
+        return got
+
     def close(self, abort: bool = False) -> None:
         self._scratch.clear()

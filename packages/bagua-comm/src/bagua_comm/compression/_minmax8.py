@@ -2,7 +2,7 @@
 in :mod:`bagua_comm.compression`).
 
 On CPU the kernels are Cython (``bagua_comm._minmax``: ``compress_records`` /
-``decode_reduce``, without the GIL); on CUDA the CuPy kernels of ``_minmax_cupy`` (which
+``decode_reduce_at``, without the GIL); on CUDA the CuPy kernels of ``_minmax_cupy`` (which
 imports CuPy at its first call).  Either way one kernel call writes a tensor's whole payload
 (min/max, headers, codes, padding) and one decodes it (several ranks' payloads reduced into one
 output: ``compressed_allreduce``'s reduce), with no torch operation around them.
@@ -15,7 +15,7 @@ import torch
 from .. import _minmax
 from . import _format, _minmax_cupy
 from ._error_feedback import _WithErrorFeedback
-from ._format import KINDS, as_numpy, lut, record_bytes
+from ._format import KINDS, lut, record_bytes
 
 
 class MinMaxUInt8(_WithErrorFeedback):
@@ -137,9 +137,11 @@ def _compress(flat, chunks, payload=None):
         payload = torch.empty(chunks * rec, dtype=torch.uint8)
     elif payload.dim() != 1:
         payload = payload.view(-1)
-    # one call: min/max, headers, codes and padding of every chunk
-    _minmax.compress_records(as_numpy(flat), KINDS[flat.dtype], lut(flat.dtype), chunks,
-                             payload.numpy(), rec)
+    # one call: min/max, headers, codes and padding of every chunk (by address: no numpy
+    # view, whose making dispatches a detach per tensor)
+    _minmax.compress_records_at(flat.data_ptr(), flat.numel(), KINDS[flat.dtype],
+                                lut(flat.dtype), chunks, payload.data_ptr(), payload.numel(),
+                                rec)
     return payload
 
 
@@ -152,7 +154,7 @@ def _decompress(payload, out, chunks, dtype, rows=1, op=0):
         return
     rec = record_bytes(out.numel() * rows // chunks)
     target = out if out.dtype is torch.float32 else torch.empty(out.numel(), dtype=torch.float32)
-    _minmax.decode_reduce(payload.numpy(), rec, chunks, rows, KINDS[dtype], lut(dtype),
-                          target.numpy(), op)
+    _minmax.decode_reduce_at(payload.data_ptr(), payload.numel(), rec, chunks, rows,
+                             KINDS[dtype], lut(dtype), target.data_ptr(), target.numel(), op)
     if target is not out:
         out.copy_(target)
