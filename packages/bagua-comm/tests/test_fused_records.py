@@ -68,6 +68,20 @@ def test_decode_reduce_equals_decoding_every_row_then_reducing(dtype, rows, op):
     np.testing.assert_array_equal(out, want.numpy())
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_decode_add_accumulates_the_decoding_into_out(dtype):
+    x = torch.randn(96, generator=torch.Generator().manual_seed(4)).to(dtype)
+    payload = ref.compress(x.float().numpy(), DTYPES[dtype], 3).copy()
+    base = torch.randn(96, generator=torch.Generator().manual_seed(5))
+    want = base + torch.from_numpy(ref.decompress(payload, DTYPES[dtype], 96, 3))
+    out = base.clone()
+    MinMaxUInt8(3)._decompress_reduce(torch.from_numpy(payload), out, dtype=dtype, op=4)
+    assert torch.equal(out, want)
+    with pytest.raises(ValueError, match="op"):
+        MinMaxUInt8(3)._decompress_reduce(torch.from_numpy(payload), out.half(), dtype=dtype,
+                                          op=4)
+
+
 def test_decode_reduce_refuses_sizes_that_disagree():
     with pytest.raises(ValueError, match="disagree"):
         _minmax.decode_reduce(np.zeros(64, np.uint8), 64, 2, 2, 0, np.empty(0, np.float32),

@@ -120,6 +120,20 @@ def test_decode_reduce_launch_gives_the_cpu_values(glue, dtype, rows, op):
     assert [n for n, _ in _launched(glue)] == ["decode_reduce8"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_decode_add_launch_gives_the_cpu_values(glue, dtype):
+    x = _input(dtype, 3, 40, seed=2)
+    payload = _minmax8._compress(x, 3)
+    base = torch.randn(120)
+    want = base.clone()
+    _minmax8._decompress(payload, want, 3, dtype, 1, 4)                # Cython
+    got = base.clone()
+    with no_host_sync():
+        glue.decompress(payload, got, 3, dtype, rows=1, op=4)
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    assert not torch.equal(got[:40], base[:40])
+
+
 def test_the_compressor_runs_through_the_emulated_kernels(glue, monkeypatch):
     """MinMaxUInt8.compress / decompress routed to the CUDA glue: the reference bytes, and the
     Cython decoder's values."""

@@ -63,6 +63,20 @@ def alignment(compressor, peers: int) -> int:
     return padded_numel(compressor, 1, peers)
 
 
+def decode_add(compressor, payload: torch.Tensor, out: torch.Tensor,
+               scratch: torch.Tensor) -> None:
+    """``out += compressor.decompress(payload)``: for MinMaxUInt8 into float32 one kernel
+    pass (no decoded tensor, no add op), else through ``scratch`` (``out``'s size and dtype).
+    The same float32 additions either way."""
+    from bagua_comm._compressed import _fused
+
+    if _fused(compressor) and out.dtype is torch.float32 and out.is_contiguous():
+        compressor._decompress_reduce(payload, out, dtype=out.dtype, op=4)
+    else:
+        compressor.decompress(payload, scratch)
+        out.add_(scratch)
+
+
 def check_chunks(compressor, peers: int, what: str) -> None:
     chunks = getattr(compressor, "chunks", None)
     if isinstance(chunks, int) and chunks % peers:

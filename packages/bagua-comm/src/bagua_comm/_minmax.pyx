@@ -445,6 +445,7 @@ cdef enum:
     OP_AVG = 1
     OP_MIN = 2
     OP_MAX = 3
+    OP_ADD = 4      # out += the decoding (one row)
 
 
 def decode_reduce(const uint8_t[::1] payload, Py_ssize_t record, Py_ssize_t chunks,
@@ -452,7 +453,8 @@ def decode_reduce(const uint8_t[::1] payload, Py_ssize_t record, Py_ssize_t chun
     """Decode ``rows`` concatenated payloads of ``chunks / rows`` records each (headers read
     here, in the type ``kind``) and reduce them element by element into ``out`` (float32,
     one row's elements): ``op`` 0 sum, 1 average (the sum, then divided by ``rows``), 2 min,
-    3 max (a NaN wins), rows accumulated in order.  ``rows=1, op=0`` is a plain decode."""
+    3 max (a NaN wins), rows accumulated in order; 4: ``out += `` the decoding (one row).
+    ``rows=1, op=0`` is a plain decode."""
     decode_reduce_at(<Py_ssize_t>&payload[0], payload.shape[0], record, chunks, rows, kind, lut,
                      <Py_ssize_t>&out[0], out.shape[0], op)
 
@@ -464,7 +466,7 @@ def decode_reduce_at(Py_ssize_t payload, Py_ssize_t nbytes, Py_ssize_t record,
     ``n`` float32 outputs, live contiguous CPU memory the caller vouches for."""
     cdef Py_ssize_t k
     cdef const float* tab = &lut[0] if lut.shape[0] else NULL
-    if rows < 1 or chunks % rows or n <= 0:
+    if rows < 1 or chunks % rows or n <= 0 or op < 0 or op > 4 or (op == OP_ADD and rows != 1):
         raise ValueError("decode_reduce: payload, rows and out disagree")
     k = chunks // rows
     if n % k or nbytes != chunks * record or record < 32 + n // k \
@@ -491,7 +493,10 @@ cdef void _decode_reduce(const uint8_t* payload, Py_ssize_t record, Py_ssize_t k
             lower = _rint(mx * scale) - <float>255.0
             rec = rec + 32
             dst = out + j * m
-            if r == 0:
+            if op == OP_ADD:
+                for i in range(m):
+                    dst[i] = dst[i] + (<float>rec[i] + lower) / scale
+            elif r == 0:
                 for i in range(m):
                     dst[i] = (<float>rec[i] + lower) / scale
             elif op == OP_SUM or op == OP_AVG:

@@ -9,7 +9,7 @@ import bagua_comm as bc
 
 from .._checks import check_bool, check_interval
 from .._comm import Reducer
-from .._compression import alignment, check_compressor, make_compressor
+from .._compression import alignment, check_compressor, decode_add, make_compressor
 from .._overflow import all_finite
 from .._state import export_flat, import_flat
 from ..algorithm import Algorithm, AlgorithmImpl
@@ -162,8 +162,7 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
                                         device=diff.device)
         comp.compress(diff, key=bucket.name, out=st.payload[i])
         payload = st.payload[i]
-        comp.decompress(payload, q)
-        x.add_(q)
+        decode_add(comp, payload, x, q)
         w.copy_(x)
         if st.from_left[i] is None:
             st.from_left[i] = torch.empty_like(payload)
@@ -175,8 +174,7 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         bc.batch_isend_irecv([bc.P2POp("recv", buf, peer) for peer, buf in peers.items()]
                              + [bc.P2POp("send", payload, peer) for peer in peers], group=g)
         for replica, buf in ((left, from_left), (right, from_right)):
-            comp.decompress(buf, q)
-            replica.add_(q)
+            decode_add(comp, buf, replica, q)
 
     # One round per training step, whatever the optimizers do: a backward owes a round, run
     # after every optimizer in the list has stepped; else at the end of backward when a

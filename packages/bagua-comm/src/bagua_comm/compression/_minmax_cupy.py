@@ -320,7 +320,8 @@ __device__ void encode8_part(const void* src, long long m, const float* part, lo
 }
 
 /* grid (x, k): out[j m + e] = op over rows r of the decoding of record r k + j, element e;
-   op 0 sum, 1 average (the sum divided by rows), 2 min, 3 max (a NaN wins); rows in order */
+   op 0 sum, 1 average (the sum divided by rows), 2 min, 3 max (a NaN wins); rows in order;
+   op 4 (one row): out += the decoding */
 __device__ void decode_reduce8_impl(const u8* payload, long long record, long long m,
                                     long long k, long long rows, int kind, float* out, int op) {
     long long j = blockIdx.y;
@@ -346,7 +347,8 @@ __device__ void decode_reduce8_impl(const u8* payload, long long record, long lo
             for (int i = 0; i < cnt; ++i) {
                 float v = ((float)((word >> (8 * i)) & 0xffu) + lower) / scale;
                 float a = acc[i];
-                if (r == 0) a = v;
+                if (op == 4) a = out[j * m + e0 + i] + v;      /* out += decoding (one row) */
+                else if (r == 0) a = v;
                 else if (op <= 1) a = a + v;
                 else if (op == 2) a = (v < a || v != v) ? v : a;
                 else a = (v > a || v != v) ? v : a;
