@@ -32,6 +32,15 @@ def all_finite(tensors) -> bool:
     return bool(torch.stack([n.float().to(dev) for n in norms]).isfinite().all())
 
 
+def keep_if_finite(check: torch.Tensor, pairs) -> None:
+    """``state.copy_(new)`` for every ``(state, new)`` of ``pairs`` when ``check`` is all
+    finite, else nothing: decided on the tensors' device (a ``torch.where``), so no host
+    synchronisation per bucket on CUDA."""
+    ok = torch.isfinite(check).all()
+    for state, new in pairs:
+        torch.where(ok, new, state, out=state)
+
+
 class Scratch:
     """Reusable working buffers, one per name, grown on demand: the next value of some state
     is computed in one of them and copied into the state only once the step is known not to

@@ -193,7 +193,7 @@ class LowRankImpl(AlgorithmImpl):
         for off, k in plain:
             first[pos:pos + k].copy_(tensor[off:off + k])
             pos += k
-        ms, ps, qs = [], [], []
+        ms, ps, qs, prevs = [], [], [], []
         scratch = self.scratch.get("m", sum(s.n * s.m for s in matrices), dev)
         at = 0
         for s in matrices:
@@ -207,6 +207,7 @@ class LowRankImpl(AlgorithmImpl):
             at += s.n * s.m
             p = first[pos:pos + s.n * s.r].view(s.n, s.r)
             q = self._factor(s, dev)
+            prevs.append(q)               # Q kept when this step's result is not finite
             if quantised:       # P's columns on one scale (the basis does not change M̂)
                 q = q.clone()
                 orthogonalize(q)
@@ -239,13 +240,14 @@ class LowRankImpl(AlgorithmImpl):
         # non-finite, GradScaler skips this step everywhere, and the residuals and Q stay as
         # they were (as DDP keeps nothing of a skipped step; kept, the NaN would skip every
         # later step too).
-        finite = bool(torch.isfinite(second).all())
-        for s, m, p, q in zip(matrices, ms, ps, qs):
+        # Decided on the device (no host synchronisation per bucket).
+        ok = torch.isfinite(second).all()
+        for s, m, p, q, prev in zip(matrices, ms, ps, qs, prevs):
             approx = p @ q.t()
             m.sub_(approx)                       # residual: what this rank's M̂ missed
-            if finite:
-                self.residuals[s.name].copy_(m)
-                self.q[s.name] = q.clone()
+            res = self.residuals[s.name]
+            torch.where(ok, m, res, out=res)
+            self.q[s.name] = torch.where(ok, q, prev)
             tensor[s.offset:s.offset + s.n * s.m].view(s.n, s.m).copy_(approx)
 
     def post_backward_hook(self, ctx):

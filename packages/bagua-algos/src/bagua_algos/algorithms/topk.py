@@ -12,7 +12,7 @@ import bagua_comm as bc
 from .._checks import check_bool, check_int_at_least
 from .._comm import Reducer
 from .._compression import check_compressor, check_no_error_feedback
-from .._overflow import Scratch
+from .._overflow import Scratch, keep_if_finite
 from .._state import export_flat, import_flat
 from ..algorithm import Algorithm, AlgorithmImpl
 
@@ -167,8 +167,7 @@ class TopKImpl(AlgorithmImpl):
         t.copy_(u)
         if g is not None:
             bc.allreduce_inplace(t if whole is None else whole, self.op, group=g)
-        if bool(torch.isfinite(t).all()):
-            self.velocities[i].copy_(u)
+        keep_if_finite(t, [(self.velocities[i], u)])
 
     def carries_unused_flags(self, ctx):
         # flat: the warm-up allreduce holds them, the sparse exchange sends them beside its
@@ -285,10 +284,8 @@ class TopKImpl(AlgorithmImpl):
         # GradScaler skips this step everywhere, and the residual and velocity stay as they
         # were, as DDP keeps nothing of a skipped step (kept, the overflow would be sent, and
         # skip the step, forever after).
-        if bool(torch.isfinite(dense).all()):
-            self.residuals[i].copy_(residual)
-            if velocity is not None:
-                self.velocities[i].copy_(velocity)
+        keep_if_finite(dense, [(self.residuals[i], residual)]
+                       + ([(self.velocities[i], velocity)] if velocity is not None else []))
         tensor[:numel].copy_(dense)
         tensor[numel:].zero_()
 
