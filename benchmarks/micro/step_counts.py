@@ -30,6 +30,8 @@ same measurement of DDP against a second DDP (a variant's ratio inside it is no 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import statistics
 import sys
@@ -56,7 +58,7 @@ def make_model(name: str, seed: int = 0) -> torch.nn.Module:
     else:
         raise ValueError(f"model must be mlp, t100 or deep, got {name!r}")
     layers = []
-    for a, b in zip(dims, dims[1:]):
+    for a, b in itertools.pairwise(dims):
         layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
     return torch.nn.Sequential(*layers[:-1])
 
@@ -205,14 +207,14 @@ def _count_rank(counter_box, models, variants, bucket_bytes, warmup):
         base_opt = torch.optim.SGD(base.parameters(), lr=1e-3, momentum=0.9)
         for _ in range(warmup):
             _step(base, base_opt, x, y)
-        plain = counter.count(lambda: _step(base, base_opt, x, y))
+        plain = counter.count(functools.partial(_step, base, base_opt, x, y))
         rows = {}
         for name in variants:
             model, opt, buckets, close = _variant(name, model_name, bucket_bytes)
             for _ in range(warmup):
                 _step(model, opt, x, y)
             bc.barrier()
-            got = counter.count(lambda: _step(model, opt, x, y))
+            got = counter.count(functools.partial(_step, model, opt, x, y))
             rows[name] = {"buckets": buckets(), "ops": got["ops"] - plain["ops"],
                           "calls": got["calls"] - plain["calls"],
                           "handoffs": got["handoffs"] - plain["handoffs"]}

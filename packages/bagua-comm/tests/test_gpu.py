@@ -80,6 +80,27 @@ def test_one_rank_nccl_communicator_runs_every_primitive():
     assert run_ranks(_one_rank_every_primitive, 1, backend="nccl", timeout=300) == [[]]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_decode_reduce_equals_cython(dtype):
+    """The one-launch decode of several ranks' records reduced into one output (and added
+    into one, op 4): the Cython kernel's float32 values."""
+    g = torch.Generator().manual_seed(9)
+    rows, k, m = 3, 2, 70_001
+    c = MinMaxUInt8(rows * k)
+    payload = torch.cat([MinMaxUInt8(k).compress(torch.randn(k * m, generator=g).to(dtype))
+                         for _ in range(rows)])
+    for op in (0, 1, 2, 3):
+        cpu = c._decompress_reduce(payload, torch.empty(k * m), dtype=dtype, rows=rows, op=op)
+        gpu = c._decompress_reduce(payload.cuda(), torch.empty(k * m, device="cuda"),
+                                   dtype=dtype, rows=rows, op=op)
+        assert torch.equal(gpu.cpu(), cpu), (dtype, op)
+    one = payload[:MinMaxUInt8(k).payload_numel(k * m)]
+    base = torch.randn(k * m, generator=g)
+    cpu = MinMaxUInt8(k)._decompress_reduce(one, base.clone(), dtype=dtype, op=4)
+    gpu = MinMaxUInt8(k)._decompress_reduce(one.cuda(), base.cuda(), dtype=dtype, op=4)
+    assert torch.equal(gpu.cpu(), cpu), dtype
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
                          ids=lambda d: str(d)[6:])
 def test_cupy_kernels_are_byte_identical_to_cython(dtype):
@@ -87,6 +108,8 @@ def test_cupy_kernels_are_byte_identical_to_cython(dtype):
     cases = [(torch.randn(1 << 16, generator=g) * 5, 16), (torch.randn(999, generator=g), 3),
              (torch.arange(-300, 300) / 2, 4), (torch.tensor([0.0, -0.0, 2.0, 2.0]), 2),
              (torch.randn(1 << 20, generator=g) + 100, 7 * 8),
+             # chunks over _minmax_cupy.SMALL_M elements: the two-launch path
+             (torch.randn(3 << 17, generator=g) * 3, 2), (torch.randn(1 << 21, generator=g), 1),
              # float32 subnormals: kept on both (torch's min/max; kernels built --ftz=false)
              (torch.tensor([1e-40, -3e-39, 0.0, 2e-45, 1e-38, -1e-41, 5e-39, 0.0]), 2)]
     for values in ({5: "nan"}, {0: "inf", 700: "-inf"}, {1: "nan", 2: "inf"}):  # non-finite
@@ -119,6 +142,8 @@ def test_4bit_cuda_path_is_byte_identical_to_cython(dtype):
     cases = [(torch.randn(1 << 16, generator=g) * 5, 16), (torch.randn(998, generator=g), 1),
              (torch.arange(-300, 300) / 2, 4), (torch.tensor([0.0, -0.0, 2.0, 2.0]), 2),
              (torch.randn(1 << 20, generator=g) + 100, 7 * 8),
+             # chunks over _minmax_cupy.SMALL_M elements: the two-launch path
+             (torch.randn(3 << 17, generator=g) * 3, 2), (torch.randn(1 << 21, generator=g), 1),
              (torch.tensor([1e-40, -3e-39, 0.0, 2e-45, 1e-38, -1e-41, 5e-39, 0.0]), 2)]
     for values in ({5: "nan"}, {0: "inf", 700: "-inf"}, {1: "nan", 2: "inf"}):
         x = torch.randn(1024, generator=g)
