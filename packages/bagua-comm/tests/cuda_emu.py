@@ -22,10 +22,17 @@ _SHIM = r"""
 #include <string>
 #include <thread>
 #include <vector>
+#if defined(__x86_64__) || defined(__SSE__)
+#include <xmmintrin.h>
+#define EMU_FTZ() _mm_setcsr(_mm_getcsr() | 0x8040)   /* FTZ | DAZ */
+#else
+#define EMU_FTZ() (void)0
+#endif
 struct Dim3 { unsigned x, y, z; };
 static Dim3 blockIdx, blockDim, gridDim;
 static thread_local Dim3 threadIdx;
 static std::barrier<>* g_bar;
+static int g_ftz;                     /* flush subnormals, as a GPU without --ftz=false */
 #define __device__
 #define __global__
 #define __forceinline__ inline
@@ -46,9 +53,21 @@ template <class F> static void launch(unsigned gx, unsigned gy, unsigned bx, F f
             g_bar = &bar;
             std::vector<std::thread> ts;
             for (unsigned t = 0; t < bx; ++t)
-                ts.emplace_back([&, t] { threadIdx = {t, 0, 0}; f(); });
+                ts.emplace_back([&, t] {
+                    if (g_ftz) EMU_FTZ();
+                    threadIdx = {t, 0, 0};
+                    f();
+                });
             for (auto& t : ts) t.join();
         }
+}
+extern "C" int emu_flush_subnormals(int on) {
+#if defined(__x86_64__) || defined(__SSE__)
+    g_ftz = on;
+    return 1;
+#else
+    return on ? 0 : 1;
+#endif
 }
 #define P(i) ((void*)a[i])
 extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned bx,
@@ -126,3 +145,11 @@ class Module:
 def kernels(block=8):
     so = _library()
     return None if so is None else Module(so, block)
+
+
+def flush_subnormals(on: bool) -> None:
+    """Run the next launches as a GPU that flushes subnormals (FTZ and DAZ on every thread):
+    what the kernels meet where NVRTC ignores ``--ftz=false``."""
+    so = _library()
+    if not so.emu_flush_subnormals(int(on)):
+        raise NotImplementedError("flushing subnormals is emulated on x86-64 (SSE) only")

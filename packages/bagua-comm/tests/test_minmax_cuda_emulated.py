@@ -153,3 +153,27 @@ def test_the_compressor_runs_through_the_emulated_kernels(glue, monkeypatch):
     np.testing.assert_array_equal(payload.numpy(), minmax_ref.compress(x.numpy(), "float32", 4))
     np.testing.assert_array_equal(out.numpy(), want.numpy())
     assert len(_launched(glue)) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("large", [False, True], ids=["one-launch", "two-launches"])
+def test_subnormal_min_max_survive_a_gpu_that_flushes_them(glue, monkeypatch, dtype, large):
+    # The H200 run of 2026-11-28: chunks of float32/bfloat16 subnormals got the header [0, 0]
+    # where the CPU writes their bits (the min/max was compared and normalised with float
+    # arithmetic, which a flushing GPU reads as 0).  The emulator flushes like such a GPU.
+    if large:
+        monkeypatch.setattr(glue, "SMALL_M", 2)
+        monkeypatch.setattr(glue, "_PART_ELEMS", 3)
+        monkeypatch.setattr(glue, "_PARTS", {})
+    x = torch.tensor([1e-40, -3e-39, 0.0, 2e-45, 1e-38, -1e-41, 5e-39, -0.0]).to(dtype)
+    want = _minmax8._compress(x, 2)
+    assert want[:8].any()                              # the CPU keeps the subnormal bits
+    try:
+        cuda_emu.flush_subnormals(True)
+    except NotImplementedError as err:
+        pytest.skip(str(err))
+    try:
+        got = glue.compress(x, 2, torch.empty_like(want))
+    finally:
+        cuda_emu.flush_subnormals(False)
+    assert torch.equal(got, want)

@@ -186,6 +186,20 @@ __device__ __forceinline__ void get_header(const u8* rec, int kind, float* mn, f
     }
 }
 
+/* min, max and -0 -> +0 on the bits, never on float arithmetic: a GPU that flushes subnormals
+   (FTZ/DAZ: NVRTC without --ftz=false, or a CuPy that drops the flag) would compare a subnormal
+   as 0 and write 0 for it, where the CPU writes its bits.  The key orders floats as their
+   values (-0 just below +0); NaN chunks never reach it (they are flagged apart). */
+__device__ __forceinline__ u32 fkey(float v) {
+    u32 b = __float_as_uint(v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float fmin_bits(float a, float b) { return fkey(b) < fkey(a) ? b : a; }
+__device__ __forceinline__ float fmax_bits(float a, float b) { return fkey(b) > fkey(a) ? b : a; }
+__device__ __forceinline__ float plus_zero(float v) {
+    return __float_as_uint(v) == 0x80000000u ? __uint_as_float(0u) : v;
+}
+
 /* min, max and "some value was NaN or infinite" of the block's values, in thread 0 and then
    broadcast: every thread returns the block's result */
 __device__ void block_reduce(float a, float b, int bad, float* res) {
@@ -199,8 +213,8 @@ __device__ void block_reduce(float a, float b, int bad, float* res) {
     __syncthreads();
     for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
         if (t < s) {
-            sa[t] = sa[t + s] < sa[t] ? sa[t + s] : sa[t];
-            sb[t] = sb[t + s] > sb[t] ? sb[t + s] : sb[t];
+            sa[t] = fmin_bits(sa[t], sa[t + s]);
+            sb[t] = fmax_bits(sb[t], sb[t + s]);
             sbad[t] |= sbad[t + s];
         }
         __syncthreads();
@@ -216,8 +230,8 @@ __device__ void slice_minmax(const void* src, long long lo, long long hi, float*
     float a = __uint_as_float(0x7f800000u), b = -a, z = 0.0f;   /* +inf, -inf */
     for (long long i = lo + threadIdx.x; i < hi; i += blockDim.x) {
         float v = load<KIND>(src, i);
-        a = v < a ? v : a;
-        b = v > b ? v : b;
+        a = fmin_bits(a, v);
+        b = fmax_bits(b, v);
         z = z + v * 0.0f;                 /* NaN once a NaN or an infinity was seen */
     }
     block_reduce(a, b, z != z, res);
@@ -271,8 +285,8 @@ __device__ void compress8_one(const void* src, long long m, u8* payload, long lo
     long long c = blockIdx.x;
     float res[3];
     slice_minmax<KIND>(src, c * m, c * m + m, res);
-    float mn = res[2] != 0.0f ? F_NAN : res[0] + 0.0f;     /* + 0 turns -0 into +0 */
-    float mx = res[2] != 0.0f ? F_NAN : res[1] + 0.0f;
+    float mn = res[2] != 0.0f ? F_NAN : plus_zero(res[0]);
+    float mx = res[2] != 0.0f ? F_NAN : plus_zero(res[1]);
     u8* rec = payload + c * record;
     if (threadIdx.x == 0) put_header(rec, mn, mx, KIND);
     encode_chunk<KIND>(src, c * m, m, mn, mx, rec, record, threadIdx.x, blockDim.x, true);
@@ -305,13 +319,13 @@ __device__ void encode8_part(const void* src, long long m, const float* part, lo
     for (long long p = threadIdx.x; p < parts; p += blockDim.x) {
         float pa = part[2 * (c * parts + p)], pb = part[2 * (c * parts + p) + 1];
         bad |= pa != pa;
-        a = pa < a ? pa : a;
-        b = pb > b ? pb : b;
+        a = fmin_bits(a, pa);
+        b = fmax_bits(b, pb);
     }
     float res[3];
     block_reduce(a, b, bad, res);
-    float mn = res[2] != 0.0f ? F_NAN : res[0] + 0.0f;
-    float mx = res[2] != 0.0f ? F_NAN : res[1] + 0.0f;
+    float mn = res[2] != 0.0f ? F_NAN : plus_zero(res[0]);
+    float mx = res[2] != 0.0f ? F_NAN : plus_zero(res[1]);
     u8* rec = payload + c * record;
     if (blockIdx.x == 0 && threadIdx.x == 0) put_header(rec, mn, mx, KIND);
     encode_chunk<KIND>(src, c * m, m, mn, mx, rec, record,
