@@ -37,8 +37,13 @@ def _steps(name):
         algo = Algorithm.init(name, **kwargs)
     wrapped = with_bagua(model, [opt], algo, bucket_size=256)
 
+    # the batches go to the GPU before the check: a copy from pageable host memory
+    # synchronises by itself (the H200 run of 2026-11-28 failed every algorithm on it)
+    batches = [tuple(t.to(dev) for t in batch(i, 0)) for i in range(5)]
+    torch.cuda.synchronize()
+
     def step(i):
-        x, y = (t.to(dev) for t in batch(i, 0))
+        x, y = batches[i]
         opt.zero_grad()
         loss_fn(wrapped, x, y).backward()
         opt.step()
