@@ -67,6 +67,21 @@ def sync(args):
         wait_for(os.path.join(args.sync_dir, f"go-{args.tag}"))
 
 
+def fail_heal(ft, n):
+    """The first ``n`` heal transfers to this replica fail as a reset connection would
+    (while the sender lives)."""
+    transport = ft.manager._checkpoint_transport
+    recv = transport.recv_checkpoint
+    left = [n]
+
+    def failing_recv(*a, **kw):
+        if left[0] > 0:
+            left[0] -= 1
+            raise ConnectionResetError("injected: the heal transfer was reset")
+        return recv(*a, **kw)
+    transport.recv_checkpoint = failing_recv
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--lighthouse", required=True)
@@ -88,6 +103,8 @@ def main():
                    help="join the Lighthouse only once go-<tag> is there (a replica that joins)")
     p.add_argument("--hold-at", type=int, default=-1,
                    help="before this step, wait for <sync-dir>/release")
+    p.add_argument("--fail-heals", type=int, default=0,
+                   help="the first N heal transfers to this replica fail (a reset connection)")
     args = p.parse_args()
     from datetime import timedelta
     model, opt, sched, data = build(args)
@@ -96,6 +113,8 @@ def main():
     ft = FaultTolerant(model, opt, ALGOS[args.algo](opt), lighthouse=args.lighthouse,
                        replica_id=args.replica_id, scheduler=sched, data=data,
                        timeout=timedelta(seconds=args.timeout))
+    if args.fail_heals:
+        fail_heal(ft, args.fail_heals)
     if args.sync_dir:
         open(os.path.join(args.sync_dir, f"connected-{args.tag}"), "w").close()
     if args.dump:

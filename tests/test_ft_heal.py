@@ -128,3 +128,52 @@ def _check_join(tmp, algo):
 def test_a_joining_replica_heals_bit_for_bit(tmp_path, lighthouse, algo):
     _run_join(tmp_path, lighthouse, algo)
     _check_join(tmp_path, algo)
+
+
+def _run_failed_heal(tmp, lighthouse, algo, hold=4, steps=8):
+    """Host ``b`` trains alone; ``a`` (rank 0 of the pair: ids sort) joins at step ``hold``
+    and its first heal transfer fails (a reset connection while the sender lives)."""
+    extra = ("--algo", algo, "--steps", str(steps), "--timeout", "5")
+    procs = [_spawn(tmp, lighthouse, "b", "b", *extra, "--hold-at", str(hold)),
+             _spawn(tmp, lighthouse, "a", "a", *extra, "--connect-after-go", "--fail-heals", "1")]
+    try:
+        _wait(tmp / "ready-b", procs)
+        _wait(tmp / "ready-a", procs)
+        (tmp / "go-b").touch()
+        end = time.time() + 120
+        while not (tmp / "b.log").exists() or len(_log(tmp, "b")) < hold:
+            assert time.time() < end, "b did not reach the step where the joiner comes"
+            assert procs[0].poll() is None, (tmp / "b.out").read_text()[-3000:]
+            time.sleep(0.05)
+        (tmp / "go-a").touch()
+        _wait(tmp / "connected-a", procs)
+        (tmp / "release").touch()
+        for p, t in zip(procs, "ba"):
+            assert p.wait(120) == 0, (tmp / f"{t}.out").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("algo", [
+    "diloco", pytest.param("gradient_allreduce", marks=pytest.mark.slow),
+    pytest.param("bytegrad", marks=pytest.mark.slow)])
+def test_a_failed_heal_never_replaces_the_running_model(tmp_path, lighthouse, algo):
+    """The joiner's first heal fails: the running host's trained model must not be replaced
+    by the joiner's initial one (with_bagua broadcast rank 0's, and the joiner was rank 0);
+    the joiner heals at the next quorum and both end identical."""
+    _run_failed_heal(tmp_path, lighthouse, algo)
+    sent = sorted(int(p.stem.split("-")[1]) for p in (tmp_path / "b").glob("sent-*.pt"))
+    assert len(sent) >= 2, "the joiner healed at its first try: the fault was not injected"
+    before = torch.load(tmp_path / "b" / f"sent-{sent[0]}.pt", weights_only=False)
+    pair = torch.load(tmp_path / "b" / f"quorum-{sent[0]}-2.pt", weights_only=False)
+    # the host's model when the pair formed: its own trained one, bit for bit
+    _assert_identical(before["model"], pair["model"], "the host's model after the failed heal")
+    end = {t: torch.load(tmp_path / t / "end.pt", weights_only=False) for t in "ab"}
+    _assert_identical(end["a"]["model"], end["b"]["model"], "the replicas at the end")
+    # the host's losses never jump back to the untrained model's
+    lb = [r for r in _log(tmp_path, "b") if r["committed"]]
+    la = [r for r in _log(tmp_path, "a") if r["committed"]]
+    assert la and la[-1]["step"] == lb[-1]["step"]

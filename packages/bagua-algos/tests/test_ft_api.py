@@ -128,3 +128,51 @@ else:
                          timeout=120, env={**os.environ, "RUST_LOG": "error"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert 2.5 < float(out.stdout.split()[-1]) < 15, out.stdout
+
+
+def test_a_host_whose_rebuild_failed_still_serves_the_algorithm_state():
+    """A rebuild fails half-way (a peer died while the group was set up): the module is
+    detached from its algorithm, and the state this host serves to a joiner must still carry
+    the algorithm's state (DiLoCo's step counter, anchor, outer momentum), not lose it."""
+    pytest.importorskip("torchft", reason="torchft is not installed: pip install "
+                        "'bagua-algos[ft]'")
+    code = """
+import torch
+import bagua_algos as ba
+import bagua_algos.ft._replica as rep
+from bagua_algos.ft import FaultTolerant, lighthouse
+lh = lighthouse()
+torch.manual_seed(0)
+m = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+ft = FaultTolerant(m, opt, ba.DiLoCo(sync_every=2), lighthouse=lh.address(), replica_id="r")
+for i in range(3):
+    with ft.step() as step:
+        ft.model(torch.ones(2, 4)).sum().backward()
+    assert step.committed
+live = ft.state_dict()["bagua"]
+assert live is not None and live["step"] == 3, live
+
+def dead_peer(pg):
+    raise RuntimeError("gloo: connection closed by peer (injected)")
+rep.bagua_group = dead_peer
+try:
+    ft._rebuild(None)
+except RuntimeError as e:
+    assert "injected" in str(e)
+else:
+    raise SystemExit("the injected failure did not happen")
+served = ft._send()["optimizer"]
+assert "bagua_algos" in served, sorted(served)
+got = served["bagua_algos"]
+assert got["step"] == live["step"] and got["algorithm"] == "diloco", got
+for k, v in live["impl"].items():
+    if isinstance(v, torch.Tensor):
+        assert torch.equal(v, got["impl"][k]), k
+ft.close()
+lh.shutdown()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "RUST_LOG": "error"})
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

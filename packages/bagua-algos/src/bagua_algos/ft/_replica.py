@@ -28,6 +28,7 @@ from ..algorithm import Algorithm
 from ..module import _STATE_KEY, BaguaModule, with_bagua
 from ._data import CommittedBatches
 from ._group import bagua_group, reconfigurable_gloo, release
+from ._source import choose_source, share
 
 logger = logging.getLogger("bagua_algos.ft")
 _UNSUPPORTED = {"async": "it communicates in a background thread, outside the steps a "
@@ -220,9 +221,14 @@ class FaultTolerant:
         return self._live_state()
 
     def _live_state(self) -> dict:
+        optimizer = self.optimizer.state_dict()    # with the algorithm's state, when wrapped
+        if self.model is None and self._pending is not None and self._pending[0] is not None:
+            # a rebuild failed half-way (the module is detached, its optimizer hook gone):
+            # the algorithm's state it carries for the next rebuild is the live one
+            optimizer[_STATE_KEY] = self._pending[0]
         return {"meta": self._meta,
                 "model": self._module.state_dict(),
-                "optimizer": self.optimizer.state_dict(),     # with the algorithm's state
+                "optimizer": optimizer,
                 "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
                 "data": None if self.data is None else self.data.state_dict()}
 
@@ -308,7 +314,8 @@ class FaultTolerant:
 
     def _rebuild(self, healed: dict | None) -> None:
         """Wrap the model anew on the current quorum's group, carrying every piece of state
-        (from the healthy peer when healing)."""
+        (from the healthy peer when healing; the shared state from an up-to-date replica,
+        never from one whose heal failed, see ``_source``)."""
         rank, size = self._pg.members
         if self._pending is not None:       # a rebuild that failed: its state, not a fresh one
             own, data_state = self._pending
@@ -330,6 +337,22 @@ class FaultTolerant:
             data_state = healed["data"]
         self._pending = (own, data_state)
         self._group = bagua_group(self._pg)
+        src, agreed = choose_source(self._group, self.manager.current_step(),
+                                    self.manager.errored() is None)
+        shared = share(self._group, src, self._module, {
+            "optimizer": None if agreed else self.optimizer.state_dict(),
+            "scheduler": None if agreed or self.scheduler is None
+            else self.scheduler.state_dict(),
+            "data": None if agreed else data_state, "bagua": own}) if size > 1 else None
+        if shared is not None and rank != src:
+            if not agreed:                 # this replica is behind: the source's state
+                self.optimizer.load_state_dict(shared["optimizer"])
+                if self.scheduler is not None:
+                    self.scheduler.load_state_dict(shared["scheduler"])
+                data_state = shared["data"]
+            if not agreed or own is None or (own.get("world_size"), own.get("rank")) != (
+                    size, rank):
+                own = shared["bagua"]
         # torch's Optimizer.load_state_dict (here when healing, in with_bagua on ranks > 0)
         # adds keys to the optimizer's defaults ("differentiable") through __setstate__; a
         # replica whose optimizer was never loaded lacks them, and QAdam's description in
@@ -347,7 +370,8 @@ class FaultTolerant:
         self._generation = self._pg.generation
         self._dirty = False
         logger.info(f"bagua_algos.ft: training at {size} replicas (this one: rank {rank})"
-                    f"{', healed from a peer' if healed is not None else ''}")
+                    f"{', healed from a peer' if healed is not None else ''}"
+                    f"{'' if agreed else f', shared state from rank {src}'}")
 
     def _finish(self) -> bool:
         committed = self.manager.should_commit()

@@ -1,0 +1,42 @@
+"""Which replica the shared state of a rebuilt group comes from, and its broadcast.
+
+with_bagua broadcasts rank 0's parameters and optimizer state, and rank 0 of a new quorum
+may be a replica that just joined and whose heal failed (its state is the initial one).
+Before the wrap, the replicas agree on an up-to-date source, the one at the highest committed
+step that saw no error in the quorum (lowest rank among equals), and every replica that is
+not up to date takes the source's whole state: model, optimizer, scheduler, sampler position
+and the algorithm's shared state.  with_bagua's own broadcast from rank 0 then moves equal
+values.  A replica whose heal failed still takes part in the step (its peers' collectives
+need it) with the source's state, votes it down, and heals at the next quorum.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import bagua_comm as bc
+
+from .._comm import broadcast_tensors
+
+
+def choose_source(group: bc.ProcessGroup, step: int, ok: bool) -> tuple[int, bool]:
+    """(the source's rank, whether every replica is up to date: at the source's step, ok).
+
+    Collective over ``group``.  ``step``: this replica's committed step; ``ok``: no error in
+    this quorum (a failed heal, a failed group configure)."""
+    if group.size == 1:
+        return 0, True
+    mine = torch.tensor([step, int(ok)], dtype=torch.int64)
+    every = torch.empty(2 * group.size, dtype=torch.int64)
+    bc.allgather(mine, every, group=group)
+    keys = [(int(every[2 * r]), int(every[2 * r + 1]), -r) for r in range(group.size)]
+    best = max(keys)
+    return -best[2], all(k[:2] == best[:2] for k in keys)
+
+
+def share(group: bc.ProcessGroup, src: int, module: torch.nn.Module, state: dict) -> dict:
+    """``src``'s parameters and buffers into ``module`` on every rank, and ``src``'s
+    ``state`` (plain data and tensors: optimizer, scheduler, sampler, algorithm) returned on
+    every rank (collective)."""
+    broadcast_tensors(list(module.parameters()) + list(module.buffers()), group, src)
+    return bc.broadcast_object(state if group.rank == src else None, src, group=group)
