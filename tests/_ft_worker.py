@@ -39,6 +39,8 @@ def build(args):
     if args.shape_bug:
         model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden + 1), torch.nn.Tanh(),
                                     torch.nn.Linear(args.hidden + 1, 1))
+    if args.variant == "double":
+        model = model.double()
     if args.algo == "qadam":
         opt = ba.QAdamOptimizer(model.parameters(), lr=1e-2, warmup_steps=2)
     else:
@@ -94,6 +96,9 @@ def main():
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--shape-bug", action="store_true")
+    p.add_argument("--variant", choices=("", "double", "sync_every"), default="",
+                   help="the same shapes, another dtype (double) or other DiLoCo/LocalSGD "
+                        "settings (sync_every=4)")
     p.add_argument("--log", required=True)
     p.add_argument("--dump", default="")
     p.add_argument("--timeout", type=float, default=10.0)
@@ -110,7 +115,10 @@ def main():
     model, opt, sched, data = build(args)
     if args.connect_after_go:
         sync(args)
-    ft = FaultTolerant(model, opt, ALGOS[args.algo](opt), lighthouse=args.lighthouse,
+    algorithm = ALGOS[args.algo](opt)
+    if args.variant == "sync_every":
+        algorithm = type(algorithm)(sync_every=4)
+    ft = FaultTolerant(model, opt, algorithm, lighthouse=args.lighthouse,
                        replica_id=args.replica_id, scheduler=sched, data=data,
                        timeout=timedelta(seconds=args.timeout))
     if args.fail_heals:

@@ -25,10 +25,12 @@ import torch.distributed as dist
 import bagua_comm as bc
 
 from ..algorithm import Algorithm
+from .._consistency import configuration
 from ..module import _STATE_KEY, BaguaModule, with_bagua
 from ._data import CommittedBatches
 from ._group import bagua_group, reconfigurable_gloo, release
 from ._source import choose_source, share
+from ._speculate import communicates_in_step, drain, restore, snapshot
 
 logger = logging.getLogger("bagua_algos.ft")
 _UNSUPPORTED = {"async": "it communicates in a background thread, outside the steps a "
@@ -63,9 +65,36 @@ def _answers(address: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def _model_meta(module: torch.nn.Module, algorithm: Algorithm) -> dict:
+def _model_meta(module: torch.nn.Module, optimizer, algorithm: Algorithm, wrap: dict) -> dict:
+    """What a joiner must share with the running job, field by field: with_bagua's
+    same-on-every-rank description (parameter names, shapes, dtypes; the algorithm and its
+    settings; the optimizer; the wrap's settings)."""
+    # torch's normalisation of the optimizer's defaults, as before each wrap (see _rebuild)
+    optimizer.__setstate__(optimizer.__getstate__())
     return {"algorithm": algorithm.name,
-            "shapes": {n: tuple(p.shape) for n, p in module.named_parameters()}}
+            "shapes": {n: tuple(p.shape) for n, p in module.named_parameters()},
+            "dtypes": {n: str(t.dtype).replace("torch.", "")
+                       for n, t in [*module.named_parameters(), *module.named_buffers()]},
+            "configuration": configuration(module, [optimizer], algorithm, wrap)}
+
+
+def _refusal(mine: dict, theirs) -> str | None:
+    """Why this replica cannot join a job described by ``theirs`` (None: it can)."""
+    theirs = theirs if isinstance(theirs, dict) else {}
+    if theirs == mine:
+        return None
+    if theirs.get("shapes") != mine["shapes"]:
+        return (f"parameter shapes differ ({mine['algorithm']} vs {theirs.get('algorithm')}; "
+                "parameter shapes differ)")
+    dtypes = theirs.get("dtypes") or {}
+    if dtypes != mine["dtypes"]:
+        return "dtypes differ: " + ", ".join(
+            f"{n} is {dtypes.get(n)} in the job, {d} here"
+            for n, d in mine["dtypes"].items() if dtypes.get(n) != d)
+    fields = [f"  {k}: the job has {theirs.get('configuration', {}).get(k, '<missing>')}, "
+              f"this replica {v}" for k, v in mine["configuration"].items()
+              if theirs.get("configuration", {}).get(k) != v]
+    return "its configuration differs:\n" + "\n".join(fields or ["  (another bagua version)"])
 
 
 @contextlib.contextmanager
@@ -79,6 +108,17 @@ def _quiet(name: str):
         yield
     finally:
         log.setLevel(old)
+
+
+def _detach(model: BaguaModule) -> None:
+    """Detach the algorithm; an exchange of it that failed (a peer died in it) is dropped
+    with it instead of raising again."""
+    try:
+        model.detach_algorithm()
+    except Exception as err:
+        if not is_comm_error(err):
+            raise
+        logger.info(f"bagua_algos.ft: a failed exchange dropped with the old group ({err})")
 
 
 class Step:
@@ -187,7 +227,7 @@ class FaultTolerant:
         # carried to a joining replica
         self._step_scheduler = True
         self._wrap = {"bucket_size": bucket_size, "do_flatten": do_flatten}
-        self._meta = _model_meta(model, algorithm)
+        self._meta = _model_meta(model, optimizer, algorithm, {**self._wrap, "autotune": None})
         self.model: BaguaModule | None = None
         self._group: bc.ProcessGroup | None = None
         self._generation = 0
@@ -222,9 +262,10 @@ class FaultTolerant:
 
     def _live_state(self) -> dict:
         optimizer = self.optimizer.state_dict()    # with the algorithm's state, when wrapped
-        if self.model is None and self._pending is not None and self._pending[0] is not None:
-            # a rebuild failed half-way (the module is detached, its optimizer hook gone):
-            # the algorithm's state it carries for the next rebuild is the live one
+        if self._pending is not None and self._pending[0] is not None:
+            # a rebuild failed half-way (the module is detached, its optimizer hook gone), or
+            # a step voted down was undone: the algorithm's state kept for the next rebuild
+            # is the live one
             optimizer[_STATE_KEY] = self._pending[0]
         return {"meta": self._meta,
                 "model": self._module.state_dict(),
@@ -233,12 +274,11 @@ class FaultTolerant:
                 "data": None if self.data is None else self.data.state_dict()}
 
     def _receive(self, state: dict) -> None:
-        meta = state.get("meta")
-        if meta != self._meta:
-            raise ValueError("this replica cannot join: its model or algorithm differs from "
-                             f"the running job's ({self._meta['algorithm']} vs "
-                             f"{(meta or {}).get('algorithm')}; parameter shapes "
-                             f"{'match' if (meta or {}).get('shapes') == self._meta['shapes'] else 'differ'})")
+        why = _refusal(self._meta, state.get("meta"))
+        if why is not None:
+            # raised here, on the joiner alone, before it takes part in any collective: the
+            # running replicas drop it at their next quorum
+            raise ValueError("this replica cannot join the running job: " + why)
         self._healed = state
 
     # -- steps ------------------------------------------------------------------------------
@@ -323,7 +363,7 @@ class FaultTolerant:
             own = self.model.bagua_state_dict() if self.model is not None else None
             data_state = self.data.state_dict() if self.data is not None else None
         if self.model is not None:
-            self.model.detach_algorithm()
+            _detach(self.model)
             self.model = None
         release(self._group)
         self._group = None
@@ -374,16 +414,41 @@ class FaultTolerant:
                     f"{'' if agreed else f', shared state from rank {src}'}")
 
     def _finish(self) -> bool:
+        saved = None
+        if self.model is not None and communicates_in_step(self.model.impl):
+            # the step's exchange runs before the vote; a step voted down is undone
+            saved = snapshot(self._module, self.optimizer)
+            if self.manager.errored() is None:
+                try:
+                    self.optimizer.step()
+                    drain(self.model.impl)
+                except Exception as err:
+                    if not is_comm_error(err):
+                        self._undo(saved)
+                        raise
+                    logger.warning(f"bagua_algos.ft: a peer failed in the step's exchange "
+                                   f"({err}); this step is not committed")
+                    self.manager.report_error(err)
         committed = self.manager.should_commit()
         if committed:
-            self.optimizer.step()
+            if saved is None:
+                self.optimizer.step()
             if self.scheduler is not None and self._step_scheduler:
                 self.scheduler.step()
             if self.data is not None:
                 self.data.commit()
+        elif saved is not None:
+            self._undo(saved)
         else:
             self._abandon()
         return committed
+
+    def _undo(self, saved: tuple) -> None:
+        """A speculative optimizer step voted down: the state before it, the algorithm's
+        kept for the rebuild at the next step."""
+        own = restore(self._module, self.optimizer, saved, _STATE_KEY)
+        self._abandon()
+        self._pending = (own, None if self.data is None else self.data.state_dict())
 
     def _abandon(self) -> None:
         if self.data is not None:
@@ -403,7 +468,7 @@ class FaultTolerant:
     def close(self) -> None:
         """Leave the job: stop this replica's torchft servers (not collective)."""
         if self.model is not None:
-            self.model.detach_algorithm()
+            _detach(self.model)
         release(self._group)
         self._group = None
         self.manager.shutdown(wait=False)
