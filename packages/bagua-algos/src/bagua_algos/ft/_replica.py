@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 import bagua_comm as bc
 
-from ..algorithm import Algorithm
 from .._consistency import configuration
+from ..algorithm import Algorithm
 from ..module import _STATE_KEY, BaguaModule, with_bagua
 from ._data import CommittedBatches
 from ._group import bagua_group, reconfigurable_gloo, release
