@@ -176,3 +176,42 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "RUST_LOG": "error"})
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_too_few_replicas_for_min_replicas_raise_after_quorum_timeout():
+    """FaultTolerant(min_replicas=2) with one replica alive (the Lighthouse's own minimum is
+    1, so quorums of one form): it must raise after quorum_timeout naming min_replicas, not
+    run uncommittable steps forever."""
+    pytest.importorskip("torchft", reason="torchft is not installed: pip install "
+                        "'bagua-algos[ft]'")
+    code = """
+import time, torch
+from datetime import timedelta
+import bagua_algos as ba
+from bagua_algos.ft import FaultTolerant, lighthouse
+lh = lighthouse()
+m = torch.nn.Linear(2, 1)
+ft = FaultTolerant(m, torch.optim.SGD(m.parameters(), lr=0.1), ba.GradientAllReduce(),
+                   lighthouse=lh.address(), replica_id="r", min_replicas=2,
+                   quorum_timeout=timedelta(seconds=3))
+t0 = time.time()
+steps = 0
+try:
+    while time.time() - t0 < 25:
+        with ft.step() as step:
+            ft.model(torch.ones(1, 2)).sum().backward()
+        steps += 1
+        assert not step.committed
+except RuntimeError as e:
+    assert "min_replicas=2" in str(e) and "quorum_timeout" in str(e), e
+    print(round(time.time() - t0, 1), steps)
+else:
+    raise SystemExit(f"no error after {steps} uncommitted steps")
+lh.shutdown()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "RUST_LOG": "error"})
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    took, steps = out.stdout.split()[-2:]
+    # no step ran its forward while the quorum was too small
+    assert 2.5 < float(took) < 20 and steps == "0", out.stdout

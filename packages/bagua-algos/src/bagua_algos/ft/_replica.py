@@ -222,6 +222,7 @@ class FaultTolerant:
 
         self._module, self.optimizer, self.algorithm = model, optimizer, algorithm
         self._lighthouse, self._quorum_timeout = lighthouse, quorum_timeout
+        self._min_replicas = min_replicas
         self.scheduler, self.data = scheduler, data
         # False where the training loop steps the scheduler itself (Lightning): it is still
         # carried to a joining replica
@@ -302,16 +303,7 @@ class FaultTolerant:
         import time
         for attempt in range(1, _REBUILD_ATTEMPTS + 1):
             t0 = time.perf_counter()
-            try:
-                self.manager.start_quorum()
-            except Exception as err:        # torchft's Rust client: plain Exceptions
-                if isinstance(err, TimeoutError) or "timeout" in str(err).lower():
-                    # torchft's Manager cannot go on (its failed quorum is re-raised by every
-                    # later call) and its threads would keep the process from exiting
-                    lost = self._no_quorum(err)
-                    self.close()
-                    raise lost from err
-                raise
+            self._quorum()
             healed, self._healed = self._healed, None
             if not (healed is not None or self._dirty or self.model is None
                     or self._pg.generation != self._generation):
@@ -337,6 +329,39 @@ class FaultTolerant:
         self._step0 = self.model.step
         if self.data is not None:
             step.batch = self.data.next()
+
+    def _quorum(self) -> None:
+        """A quorum of at least ``min_replicas`` replicas: a smaller one (the Lighthouse's
+        own minimum is lower) is voted down without a forward and asked again, for
+        ``quorum_timeout`` at most, then this raises instead of running steps that can
+        never commit."""
+        import time
+        deadline = None
+        while True:
+            try:
+                self.manager.start_quorum()
+            except Exception as err:        # torchft's Rust client: plain Exceptions
+                if isinstance(err, TimeoutError) or "timeout" in str(err).lower():
+                    # torchft's Manager cannot go on (its failed quorum is re-raised by every
+                    # later call) and its threads would keep the process from exiting
+                    lost = self._no_quorum(err)
+                    self.close()
+                    raise lost from err
+                raise
+            alive = self.manager.num_participants()
+            if alive >= self._min_replicas:
+                return
+            now = time.monotonic()
+            deadline = deadline or now + self._quorum_timeout.total_seconds()
+            if now > deadline:
+                self.close()
+                raise RuntimeError(
+                    f"bagua_algos.ft: the quorum from the Lighthouse at {self._lighthouse!r} "
+                    f"held {alive} replica(s), fewer than min_replicas={self._min_replicas}, "
+                    f"for quorum_timeout={self._quorum_timeout}: too few replicas alive (start "
+                    "more, or lower min_replicas)")
+            self.manager.should_commit()        # the empty step, voted down (too few)
+            time.sleep(0.05)
 
     def _no_quorum(self, err: BaseException) -> RuntimeError:
         """The error for a step that got no quorum within quorum_timeout: the Lighthouse
