@@ -96,6 +96,7 @@ def main():
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--shape-bug", action="store_true")
+    p.add_argument("--secret", default=None, help="the job's secret (default: BAGUA_FT_SECRET)")
     p.add_argument("--variant", choices=("", "double", "sync_every"), default="",
                    help="the same shapes, another dtype (double) or other DiLoCo/LocalSGD "
                         "settings (sync_every=4)")
@@ -120,7 +121,7 @@ def main():
         algorithm = type(algorithm)(sync_every=4)
     ft = FaultTolerant(model, opt, algorithm, lighthouse=args.lighthouse,
                        replica_id=args.replica_id, scheduler=sched, data=data,
-                       timeout=timedelta(seconds=args.timeout))
+                       timeout=timedelta(seconds=args.timeout), secret=args.secret)
     if args.fail_heals:
         fail_heal(ft, args.fail_heals)
     if args.sync_dir:

@@ -25,12 +25,14 @@ pytest.importorskip("bagua_data")
 
 WORKER = Path(__file__).with_name("_ft_worker.py")
 KILL_AT, HOLD_AT, STEPS = 3, 8, 18
+SECRET = "test-job-secret-0123456789"
 
 
 def _env():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent), *sys.path])
     env["RUST_LOG"] = "error"
+    env["BAGUA_FT_SECRET"] = SECRET           # the job's secret, the same on every replica
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     return env
@@ -159,12 +161,14 @@ def test_kill_survive_heal(tmp_path, lighthouse):
 @pytest.mark.parametrize("variant, why", [
     pytest.param(("--shape-bug",), "parameter shapes differ", marks=pytest.mark.slow),
     (("--variant", "double"), "float64"),
-    pytest.param(("--variant", "sync_every"), "sync_every", marks=pytest.mark.slow)],
-    ids=["shape", "dtype", "settings"])
+    pytest.param(("--variant", "sync_every"), "sync_every", marks=pytest.mark.slow),
+    (("--secret", "another-job-secret-0123"), "is not the job's")],
+    ids=["shape", "dtype", "settings", "secret"])
 def test_a_replica_with_another_model_is_refused_and_the_job_goes_on(tmp_path, lighthouse,
                                                                     variant, why):
     """A host that comes back with a different model (other shapes; the same shapes in
-    another dtype; the same algorithm with other settings) must not join (nor hang or take
+    another dtype; the same algorithm with other settings), or with another job's secret
+    (its heal request is refused: it gets no state), must not join (nor hang or take
     down the job): it alone is refused with a message naming what differs, and the running
     replica trains on unharmed."""
     algo = ("--algo", "diloco")
@@ -181,7 +185,8 @@ def test_a_replica_with_another_model_is_refused_and_the_job_goes_on(tmp_path, l
         (tmp_path / "release").touch()
         rc = bad.wait(120)
         out = (tmp_path / "bad.out").read_text()
-        assert rc != 0 and "cannot join" in out and why in out, out[-3000:]
+        expected = (why,) if "--secret" in variant else ("cannot join", why)
+        assert rc != 0 and all(e in out for e in expected), out[-3000:]
         assert a.wait(120) == 0, (tmp_path / "a.out").read_text()[-3000:]
     finally:
         for p in procs:

@@ -30,6 +30,7 @@ import argparse
 import itertools
 import json
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -48,6 +49,8 @@ HOSTS, LOST = 3, 2
 
 def _env():
     env = dict(os.environ, RUST_LOG="error")
+    # the job's secret (heal transfer and group authentication), one per benchmark run
+    env.setdefault("BAGUA_FT_SECRET", secrets.token_hex(16))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), *sys.path])
     return env
 

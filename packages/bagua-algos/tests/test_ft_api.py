@@ -215,3 +215,174 @@ lh.shutdown()
     took, steps = out.stdout.split()[-2:]
     # no step ran its forward while the quorum was too small
     assert 2.5 < float(took) < 20 and steps == "0", out.stdout
+
+
+# -- the heal transport: authenticated, tensors and plain data only ---------------------------
+SECRET = b"0123456789abcdef-job"
+
+
+def _transport(secret=SECRET):
+    pytest.importorskip("torchft", reason="torchft is not installed: pip install "
+                        "'bagua-algos[ft]'")
+    from datetime import timedelta
+
+    from bagua_algos.ft._transport import make_transport
+
+    return make_transport(secret, timedelta(seconds=5))
+
+
+def _state():
+    torch.manual_seed(0)
+    return {"user": {"default": {"model": {"w": torch.randn(3, 2)}, "step": 7,
+                                 "optimizer": {"state": {0: {"exp_avg": torch.ones(2)}},
+                                               "param_groups": [{"lr": 0.1, "params": [0]}]}}},
+            "torchft": {"step": 7, "batches_committed": 14}}
+
+
+def test_heal_transport_carries_the_state_to_a_replica_with_the_secret():
+    from datetime import timedelta
+
+    from torchft.checkpointing.transport import CheckpointTransport
+
+    sender, receiver = _transport(), _transport()
+    try:
+        assert isinstance(sender, CheckpointTransport)
+        state = _state()
+        sender.send_checkpoint([1], 7, state, timedelta(seconds=5))
+        got = receiver.recv_checkpoint(0, sender.metadata(), 7, timedelta(seconds=5))
+        assert torch.equal(got["user"]["default"]["model"]["w"], state["user"]["default"]["model"]["w"])
+        assert got["torchft"] == state["torchft"]
+        sender.disallow_checkpoint()        # after the step's vote: nothing served any more
+        with pytest.raises(Exception, match="404|timed out"):   # waits for a staged state
+            receiver.recv_checkpoint(0, sender.metadata(), 7, timedelta(seconds=1))
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+
+
+def test_heal_transport_serves_nothing_without_the_secret():
+    """A peer without the job's secret (a stranger, or a replica of another job) gets a 403
+    and no byte of the state; a request replayed is refused too."""
+    import urllib.error
+    import urllib.request
+    from datetime import timedelta
+
+    from bagua_algos.ft._transport import SecretRefused
+
+    sender, stranger = _transport(), _transport(b"another-secret-0123456789")
+    try:
+        sender.send_checkpoint([1], 3, _state(), timedelta(seconds=5))
+        with pytest.raises(SecretRefused, match="not the job's"):
+            stranger.recv_checkpoint(0, sender.metadata(), 3, timedelta(seconds=5))
+        with pytest.raises(urllib.error.HTTPError, match="40[03]"):   # no MAC at all
+            urllib.request.urlopen(f"{sender.metadata()}/checkpoint/3", timeout=5)
+        # a request seen once (sniffed and replayed) is refused
+        seen = []
+        real = urllib.request.urlopen
+
+        def record(url, **kw):
+            seen.append(url)
+            return real(url, **kw)
+        urllib.request.urlopen = record
+        try:
+            _transport_recv = _transport()
+            _transport_recv.recv_checkpoint(0, sender.metadata(), 3, timedelta(seconds=5))
+            _transport_recv.shutdown()
+        finally:
+            urllib.request.urlopen = real
+        with pytest.raises(urllib.error.HTTPError, match="403"):
+            urllib.request.urlopen(seen[0], timeout=5)
+    finally:
+        sender.shutdown()
+        stranger.shutdown()
+
+
+def test_heal_transport_applies_nothing_a_stranger_sends(tmp_path):
+    """A server without the secret answers with a pickle that would run code: the joiner
+    refuses it (its MAC does not match) before reading it; and even with the secret, a
+    payload that is not tensors and plain data is refused by weights_only=True."""
+    import io
+    import threading
+    from datetime import timedelta
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from bagua_algos.ft._transport import _mac, check_plain
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    buf = io.BytesIO()
+    torch.save({"user": Evil()}, buf)
+    payload = buf.getvalue()
+    macs = {"key": b"wrong-secret-0123456789"}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            from urllib.parse import parse_qs, urlsplit
+            q = parse_qs(urlsplit(self.path).query)
+            self.send_response(200)
+            self.send_header("X-Bagua-Mac", _mac(macs["key"], "answer", 5, q["nonce"][0],
+                                                 payload))
+            self.end_headers()
+            self.wfile.write(payload)
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    receiver = _transport()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(PermissionError, match="not authenticated"):
+            receiver.recv_checkpoint(0, url, 5, timedelta(seconds=5))
+        assert not marker.exists()
+        macs["key"] = SECRET              # a peer with the secret sending code: still refused
+        with pytest.raises(Exception, match="[Ww]eights only"):
+            receiver.recv_checkpoint(0, url, 5, timedelta(seconds=5))
+        assert not marker.exists()
+    finally:
+        server.shutdown()
+        receiver.shutdown()
+    with pytest.raises(TypeError, match="plain data only"):
+        check_plain({"user": {"f": Evil()}})
+
+
+def test_fault_tolerant_needs_the_job_secret(monkeypatch):
+    from bagua_algos.ft import FaultTolerant
+
+    monkeypatch.delenv("BAGUA_FT_SECRET", raising=False)
+    with pytest.raises(ValueError, match="BAGUA_FT_SECRET"):
+        FaultTolerant(*_args(), lighthouse="http://127.0.0.1:9", replica_id="r")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        FaultTolerant(*_args(), lighthouse="http://127.0.0.1:9", replica_id="r", secret="short")
+
+
+def _authenticate(secrets_by_rank):
+    import bagua_comm as bc
+    from bagua_algos.ft._source import authenticate, choose_source
+
+    group = bc.get_default_group()
+    try:
+        authenticate(group, secrets_by_rank[group.rank])
+    except RuntimeError as err:
+        return str(err)
+    return choose_source(group, 5, True)
+
+
+def test_a_group_member_without_the_secret_is_named_before_anything_is_exchanged():
+    """The Lighthouse admits any replica into the quorum: every member of a rebuilt group
+    proves it holds the job's secret (HMAC over every rank's fresh nonce) before any state
+    goes through the group; a member that cannot is named on every rank."""
+    from bagua_comm.testing import run_ranks
+
+    ok = run_ranks(_authenticate, 2, args=([SECRET, SECRET],))
+    assert ok == [(0, True), (0, True)], ok
+    bad = run_ranks(_authenticate, 2, args=([SECRET, b"a-stranger-guessing-0000"],))
+    assert "peer rank(s) [1]" in bad[0] and "did not prove" in bad[0], bad
+    assert "peer rank(s) [0]" in bad[1], bad
+    from bagua_algos.ft import is_comm_error
+    assert is_comm_error(RuntimeError(bad[0]))      # the step is voted down, not raised

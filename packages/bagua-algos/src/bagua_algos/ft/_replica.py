@@ -29,8 +29,9 @@ from ..algorithm import Algorithm
 from ..module import _STATE_KEY, BaguaModule, with_bagua
 from ._data import CommittedBatches
 from ._group import bagua_group, reconfigurable_gloo, release
-from ._source import choose_source, share
+from ._source import authenticate, choose_source, share
 from ._speculate import communicates_in_step, drain, restore, snapshot
+from ._transport import SecretRefused, job_secret, make_transport
 
 logger = logging.getLogger("bagua_algos.ft")
 _UNSUPPORTED = {"async": "it communicates in a background thread, outside the steps a "
@@ -177,7 +178,8 @@ class FaultTolerant:
                  quorum_timeout: timedelta = timedelta(seconds=60),
                  connect_timeout: timedelta = timedelta(seconds=10),
                  heartbeat_interval: timedelta = timedelta(milliseconds=100),
-                 bucket_size: int | None = None, do_flatten: bool = True):
+                 bucket_size: int | None = None, do_flatten: bool = True,
+                 secret: str | bytes | None = None):
         if not isinstance(model, torch.nn.Module) or isinstance(model, BaguaModule):
             raise ValueError("model must be a plain torch.nn.Module (FaultTolerant wraps it "
                              f"with with_bagua itself), got {type(model).__name__}")
@@ -206,6 +208,7 @@ class FaultTolerant:
                             ("connect_timeout", connect_timeout),
                             ("heartbeat_interval", heartbeat_interval)):
             _positive_timedelta(name, value)
+        self._secret = job_secret(secret)
         if bc.is_initialized() and bc.get_world_size() > 1:
             raise ValueError("FaultTolerant runs one process per replica group: this process "
                              f"belongs to a bagua_comm world of {bc.get_world_size()}")
@@ -251,7 +254,8 @@ class FaultTolerant:
                 quorum_timeout=quorum_timeout, connect_timeout=connect_timeout, rank=0,
                 world_size=1, store_addr="127.0.0.1", store_port=self._store.port,
                 lighthouse_addr=lighthouse, replica_id=replica_id,
-                heartbeat_interval=heartbeat_interval, init_sync=True)
+                heartbeat_interval=heartbeat_interval, init_sync=True,
+                checkpoint_transport=make_transport(self._secret, timeout))
         except Exception as err:   # torchft's Rust client raises plain Exceptions
             raise RuntimeError(f"cannot join the torchft Lighthouse at {lighthouse!r} within "
                                f"connect_timeout={connect_timeout}: {err}") from err
@@ -304,6 +308,7 @@ class FaultTolerant:
         for attempt in range(1, _REBUILD_ATTEMPTS + 1):
             t0 = time.perf_counter()
             self._quorum()
+            self._check_secret()
             healed, self._healed = self._healed, None
             if not (healed is not None or self._dirty or self.model is None
                     or self._pg.generation != self._generation):
@@ -363,6 +368,15 @@ class FaultTolerant:
             self.manager.should_commit()        # the empty step, voted down (too few)
             time.sleep(0.05)
 
+    def _check_secret(self) -> None:
+        """Leave the job when the running replicas refused this one's heal request for its
+        secret (a misconfigured replica: it would stall the others at every quorum)."""
+        err = self.manager.errored()
+        refused = getattr(err, "original_exception", err)
+        if isinstance(refused, SecretRefused):
+            self.close()
+            raise refused
+
     def _no_quorum(self, err: BaseException) -> RuntimeError:
         """The error for a step that got no quorum within quorum_timeout: the Lighthouse
         lost (its host died: nothing answers at its address) or too few replicas alive."""
@@ -402,6 +416,7 @@ class FaultTolerant:
             data_state = healed["data"]
         self._pending = (own, data_state)
         self._group = bagua_group(self._pg)
+        authenticate(self._group, self._secret)     # before anything else goes through it
         src, agreed = choose_source(self._group, self.manager.current_step(),
                                     self.manager.errored() is None)
         shared = share(self._group, src, self._module, {

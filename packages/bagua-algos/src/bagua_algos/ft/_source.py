@@ -12,11 +12,44 @@ need it) with the source's state, votes it down, and heals at the next quorum.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
+
 import torch
 
 import bagua_comm as bc
 
 from .._comm import broadcast_tensors
+
+
+def authenticate(group: bc.ProcessGroup, secret: bytes) -> None:
+    """Every member of a new group proves it holds the job's secret before anything else
+    goes through the group (collective): each rank sends a fresh nonce, then
+    ``HMAC(secret, every nonce | its rank)``.  A member that cannot (a stranger admitted by
+    the Lighthouse, which authenticates nobody) makes every rank raise, naming it, before
+    any state, gradient or pickle is exchanged; the error counts as a failed peer (the step
+    is voted down and the next quorum tried)."""
+    if group.size == 1:
+        return
+    nonce = torch.frombuffer(bytearray(os.urandom(32)), dtype=torch.uint8)
+    nonces = torch.empty(32 * group.size, dtype=torch.uint8)
+    bc.allgather(nonce, nonces, group=group)
+    seed = nonces.numpy().tobytes()
+
+    def tag(rank: int) -> bytes:
+        return hmac.new(secret, seed + rank.to_bytes(4, "little"), hashlib.sha256).digest()
+
+    mine = torch.frombuffer(bytearray(tag(group.rank)), dtype=torch.uint8)
+    tags = torch.empty(32 * group.size, dtype=torch.uint8)
+    bc.allgather(mine, tags, group=group)
+    got = tags.numpy().tobytes()
+    bad = [r for r in range(group.size)
+           if not hmac.compare_digest(got[32 * r:32 * r + 32], tag(r))]
+    if bad:
+        raise RuntimeError(f"bagua_algos.ft: peer rank(s) {bad} of the quorum did not prove the "
+                           "job's secret (another job, or a stranger admitted by the "
+                           "Lighthouse): nothing was exchanged with them")
 
 
 def choose_source(group: bc.ProcessGroup, step: int, ok: bool) -> tuple[int, bool]:
