@@ -253,7 +253,7 @@ def test_heal_transport_carries_the_state_to_a_replica_with_the_secret():
         assert torch.equal(got["user"]["default"]["model"]["w"], state["user"]["default"]["model"]["w"])
         assert got["torchft"] == state["torchft"]
         sender.disallow_checkpoint()        # after the step's vote: nothing served any more
-        with pytest.raises(Exception, match="404|timed out"):   # waits for a staged state
+        with pytest.raises(Exception, match=r"404|timed out"):   # waits for a staged state
             receiver.recv_checkpoint(0, sender.metadata(), 7, timedelta(seconds=1))
     finally:
         sender.shutdown()
@@ -274,7 +274,7 @@ def test_heal_transport_serves_nothing_without_the_secret():
         sender.send_checkpoint([1], 3, _state(), timedelta(seconds=5))
         with pytest.raises(SecretRefused, match="not the job's"):
             stranger.recv_checkpoint(0, sender.metadata(), 3, timedelta(seconds=5))
-        with pytest.raises(urllib.error.HTTPError, match="40[03]"):   # no MAC at all
+        with pytest.raises(urllib.error.HTTPError, match=r"40[03]"):   # no MAC at all
             urllib.request.urlopen(f"{sender.metadata()}/checkpoint/3", timeout=5)
         # a request seen once (sniffed and replayed) is refused
         seen = []
@@ -341,7 +341,7 @@ def test_heal_transport_applies_nothing_a_stranger_sends(tmp_path):
             receiver.recv_checkpoint(0, url, 5, timedelta(seconds=5))
         assert not marker.exists()
         macs["key"] = SECRET              # a peer with the secret sending code: still refused
-        with pytest.raises(Exception, match="[Ww]eights only"):
+        with pytest.raises(Exception, match=r"[Ww]eights only"):
             receiver.recv_checkpoint(0, url, 5, timedelta(seconds=5))
         assert not marker.exists()
     finally:
