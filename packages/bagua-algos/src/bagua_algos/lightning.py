@@ -108,7 +108,7 @@ def _reduce_op(reduce_op) -> bc.ReduceOp:
 
 
 _FT_OPTIONS = ("lighthouse", "replica_id", "min_replicas", "timeout", "quorum_timeout",
-               "connect_timeout", "heartbeat_interval")
+               "connect_timeout", "heartbeat_interval", "secret")
 
 
 def _fault_tolerant_options(fault_tolerant, algorithm) -> dict | None:
