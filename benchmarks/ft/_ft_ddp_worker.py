@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 from datetime import timedelta
 
@@ -27,6 +28,9 @@ def main():
     p.add_argument("--sync-dir", default="")
     p.add_argument("--tag", default="")
     p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--kill-at", type=int, default=-1, help="SIGKILL itself in this step")
+    p.add_argument("--fail-heals", type=int, default=0,
+                   help="the first N heal transfers to this replica fail (a reset connection)")
     args = p.parse_args()
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 
@@ -53,6 +57,14 @@ def main():
                       timeout=timeout, rank=0, world_size=1, store_addr="127.0.0.1",
                       store_port=store.port, lighthouse_addr=args.lighthouse,
                       replica_id=args.replica_id)
+    if args.fail_heals:
+        from _ft_worker import fail_heal
+
+        class _Holder:                      # fail_heal takes an object with .manager
+            pass
+        holder = _Holder()
+        holder.manager = manager
+        fail_heal(holder, args.fail_heals)
     ddp = DistributedDataParallel(manager, model)
     opt = Optimizer(manager, inner)
     g = torch.Generator().manual_seed(hash(args.tag) % 1000)
@@ -76,6 +88,8 @@ def main():
             if args.dump:
                 torch.save(state(), os.path.join(args.dump, f"quorum-{manager.current_step()}"
                                                  f"-{size}.pt"))
+        if manager.current_step() == args.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
         x = torch.randn(args.batch, 16, generator=g)
         loss = torch.nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True).sin())
         loss.backward()
