@@ -1,6 +1,7 @@
 """bagua_algos.ft without a job: importing, bad input, an unreachable Lighthouse.
 (The kill/heal scenario is tests/test_ft.py at the repository root.)"""
 
+import collections
 import os
 import subprocess
 import sys
@@ -386,3 +387,44 @@ def test_a_group_member_without_the_secret_is_named_before_anything_is_exchanged
     assert "peer rank(s) [0]" in bad[1], bad
     from bagua_algos.ft import is_comm_error
     assert is_comm_error(RuntimeError(bad[0]))      # the step is voted down, not raised
+
+
+@pytest.mark.parametrize("n, batch", [(10, 2), (97, 4), (96, 5)])
+def test_committed_batches_deal_every_sample_once_across_a_membership_change(n, batch):
+    """3 replicas take an epoch's batches in lockstep, one is lost after 2 steps, the other 2
+    finish the epoch: every sample exactly once. The sampler pads a table to whole rows by
+    repeating samples (and pads again when it re-deals over 2): a repeat is not dealt."""
+    pytest.importorskip("bagua_data")
+    from bagua_algos.ft import CommittedBatches
+    from bagua_data import LoadBalancingDistributedSampler
+
+    data = torch.utils.data.TensorDataset(torch.arange(n))
+    complexity = [float(i % 7) for i in range(n)]
+
+    def replica(world, rank):
+        s = LoadBalancingDistributedSampler(data, complexity, num_replicas=world, rank=rank,
+                                            seed=3)
+        return CommittedBatches(data, s, batch)
+
+    seen = []
+    group = [replica(3, r) for r in range(3)]
+    for _ in range(2):
+        for b in group:
+            seen += b.next()[0].tolist()
+        for b in group:
+            b.commit()
+    state = group[0].state_dict()
+    group = group[:2]
+    for r, b in enumerate(group):
+        b.rebind(2, r, state)
+    while group[0].sampler.epoch == 0:
+        rows = group[0].rows
+        if rows >= group[0]._table().shape[0]:
+            break
+        for b in group:
+            seen += b.next()[0].tolist()
+        for b in group:
+            b.commit()
+    counts = collections.Counter(seen)
+    assert sorted(counts) == list(range(n)), sorted(set(range(n)) - set(counts))
+    assert set(counts.values()) == {1}, {k: v for k, v in counts.items() if v > 1}

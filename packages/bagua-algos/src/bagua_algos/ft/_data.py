@@ -8,6 +8,7 @@ rank's included, are dealt anew over the new ranks, each exactly once (bagua_dat
 
 from __future__ import annotations
 
+import torch
 from torch.utils.data import default_collate
 
 
@@ -32,9 +33,24 @@ class CommittedBatches:
         self.rows = 0                  # rows of the current plan consumed by committed steps
         self._taken = None             # (epoch, rows) the uncommitted batch would reach
         self.indices: list[int] = []   # the last batch's dataset indices
+        self._mask = None              # (table, its first-appearance mask)
 
     def _table(self):
         return self.sampler.epoch_chunks()
+
+    def _fresh(self, table):
+        """Which entries of ``table`` are a sample's first appearance, rows in order (then
+        ranks): the sampler pads a table to a whole number of rows by repeating samples
+        (DistributedSampler's rule), and a re-deal over another number of replicas pads
+        again; a repeat is not dealt, so that no sample is used twice."""
+        if self._mask is None or self._mask[0] is not table:
+            flat = table.reshape(-1)
+            _, inverse = torch.unique(flat, return_inverse=True)
+            where = torch.arange(flat.numel())
+            first = torch.full((int(inverse.max()) + 1 if flat.numel() else 0,), flat.numel(),
+                               dtype=torch.long).scatter_reduce(0, inverse, where, "amin")
+            self._mask = (table, (first[inverse] == where).view_as(table))
+        return self._mask[1]
 
     def next(self):
         table = self._table()
@@ -45,7 +61,11 @@ class CommittedBatches:
             self.rows = 0
             table = self._table()
         end = min(rows + self.batch_size, int(table.shape[0]))
-        self.indices = table[rows:end, self.sampler.rank].tolist()
+        column = table[rows:end, self.sampler.rank]
+        fresh = column[self._fresh(table)[rows:end, self.sampler.rank]]
+        # a batch of repeats only (the table's last row, a batch of one row): kept, so that
+        # every rank has a batch to step on
+        self.indices = (fresh if fresh.numel() else column).tolist()
         self._taken = end
         return self.collate_fn([self.dataset[i] for i in self.indices])
 
