@@ -282,19 +282,25 @@ def test_two_of_three_replicas_lost_at_once(tmp_path, lighthouse):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("algo", [
-    "local_sgd", pytest.param("diloco", marks=pytest.mark.slow),
-    pytest.param("diloco_fragments", marks=pytest.mark.slow),
-    pytest.param("low_precision_decentralized", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("algo, kill_at", [
+    ("local_sgd", KILL_AT), ("local_sgd", KILL_AT + 1),
+    pytest.param("diloco", KILL_AT, marks=pytest.mark.slow),
+    pytest.param("diloco", KILL_AT + 1, marks=pytest.mark.slow),
+    pytest.param("diloco_fragments", KILL_AT, marks=pytest.mark.slow),
+    pytest.param("low_precision_decentralized", KILL_AT, marks=pytest.mark.slow)],
+    ids=["local_sgd-sync", "local_sgd-local", "diloco-sync", "diloco-local",
+         "diloco_fragments-sync", "low_precision_decentralized"])
 def test_a_peer_killed_in_the_optimizer_step_exchange_spares_the_survivor(
-        tmp_path, lighthouse, algo):
+        tmp_path, lighthouse, algo, kill_at):
     """LocalSGD, DiLoCo and LowPrecisionDecentralized exchange weights in the optimizer step:
-    ``b`` dies in a step where ``a`` syncs (step 4: sync_every=2; LowPrecisionDecentralized
+    ``b`` dies in a step where ``a`` syncs (the 4th: sync_every=2; LowPrecisionDecentralized
     every step).  The exchange runs before the commit vote, so its failure votes the step
-    down on ``a`` (which goes on alone) instead of raising gloo's error out of ``a``."""
+    down on ``a`` (which goes on alone) instead of raising gloo's error out of ``a``.  When
+    ``b`` dies in a local step (the 5th: no exchange), ``a`` must not commit it either: ``b``'s
+    batch of that step would be marked consumed and never trained on; it is dealt again."""
     extra = ("--algo", algo, "--timeout", "5")
     a = _spawn(tmp_path, lighthouse, "a", "a", *extra)
-    b = _spawn(tmp_path, lighthouse, "b", "b", *extra, "--kill-at", str(KILL_AT))
+    b = _spawn(tmp_path, lighthouse, "b", "b", *extra, "--kill-at", str(kill_at))
     procs = [a, b]
     try:
         for t in "ab":
@@ -309,10 +315,10 @@ def test_a_peer_killed_in_the_optimizer_step_exchange_spares_the_survivor(
                 p.kill()
     la = _log(tmp_path, "a")
     failed = [r for r in la if not r["committed"]]
-    assert len(failed) == 1 and failed[0]["step"] == KILL_AT, failed
+    assert len(failed) == 1 and failed[0]["step"] == kill_at, failed
     worlds = [r["world"] for r in la if r["committed"]]
-    assert worlds == [2] * KILL_AT + [1] * (STEPS - KILL_AT), worlds
-    # no sample of epoch 0 used twice (the step voted down gave its samples back)
+    assert worlds == [2] * kill_at + [1] * (STEPS - kill_at), worlds
+    # no sample of epoch 0 used twice, none lost (the step voted down gave its samples back)
     seen = collections.Counter(i for t in "ab" for r in _log(tmp_path, t)
                                if r["committed"] and r["epoch"] == 0 for i in r["indices"])
-    assert set(seen.values()) == {1} and len(seen) == 4 * (2 * KILL_AT + STEPS - KILL_AT), seen
+    assert set(seen.values()) == {1} and len(seen) == 4 * (2 * kill_at + STEPS - kill_at), seen

@@ -30,7 +30,7 @@ from ..module import _STATE_KEY, BaguaModule, with_bagua
 from ._data import CommittedBatches
 from ._group import bagua_group, reconfigurable_gloo, release
 from ._source import authenticate, choose_source, share
-from ._speculate import communicates_in_step, drain, restore, snapshot
+from ._speculate import alive, communicates_in_step, drain, restore, snapshot
 from ._transport import SecretRefused, job_secret, make_transport
 
 logger = logging.getLogger("bagua_algos.ft")
@@ -462,6 +462,9 @@ class FaultTolerant:
                 try:
                     self.optimizer.step()
                     drain(self.model.impl)
+                    # a step without an exchange (a local step) still learns here whether a
+                    # peer died in it: its samples are then dealt again, not lost
+                    alive(self._group)
                 except Exception as err:
                     if not is_comm_error(err):
                         self._undo(saved)

@@ -41,6 +41,14 @@ def restore(module: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: tu
     return algorithm_state
 
 
+def alive(group) -> None:
+    """A one-element allreduce: fails when a member of ``group`` is gone."""
+    if group is not None and group.size > 1:
+        import bagua_comm as bc
+
+        bc.allreduce_inplace(torch.zeros(1), group=group)
+
+
 def drain(impl) -> None:
     """Wait for the algorithm's exchanges in flight (DiLoCo's ``finish``)."""
     finish = getattr(impl, "finish", None)
