@@ -458,20 +458,21 @@ class FaultTolerant:
         if self.model is not None and communicates_in_step(self.model.impl):
             # the step's exchange runs before the vote; a step voted down is undone
             saved = snapshot(self._module, self.optimizer)
-            if self.manager.errored() is None:
-                try:
-                    self.optimizer.step()
-                    drain(self.model.impl)
-                    # a step without an exchange (a local step) still learns here whether a
-                    # peer died in it: its samples are then dealt again, not lost
-                    alive(self._group)
-                except Exception as err:
-                    if not is_comm_error(err):
-                        self._undo(saved)
-                        raise
-                    logger.warning(f"bagua_algos.ft: a peer failed in the step's exchange "
-                                   f"({err}); this step is not committed")
-                    self.manager.report_error(err)
+            # every replica runs the step's exchanges, one that will vote the step down (its
+            # heal failed) included: its peers' collectives need it
+            try:
+                self.optimizer.step()
+                drain(self.model.impl)
+                # a step without an exchange (a local step) still learns here whether a
+                # peer died in it: its samples are then dealt again, not lost
+                alive(self._group)
+            except Exception as err:
+                if not is_comm_error(err):
+                    self._undo(saved)
+                    raise
+                logger.warning(f"bagua_algos.ft: a peer failed in the step's exchange "
+                               f"({err}); this step is not committed")
+                self.manager.report_error(err)
         committed = self.manager.should_commit()
         if committed:
             if saved is None:
