@@ -54,10 +54,13 @@ ALGOS = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decen
 SYNCING = ("low_precision_decentralized", "local_sgd", "diloco", "diloco_fragments")
 
 
+# the job's secret (heal transfer and group authentication), one per benchmark run
+_SECRET = os.environ.get("BAGUA_FT_SECRET") or secrets.token_hex(16)
+
+
 def _env():
     env = dict(os.environ, RUST_LOG="error")
-    # the job's secret (heal transfer and group authentication), one per benchmark run
-    env.setdefault("BAGUA_FT_SECRET", secrets.token_hex(16))
+    env["BAGUA_FT_SECRET"] = _SECRET     # the job's secret: the same for every replica
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), *sys.path])
     return env
 
