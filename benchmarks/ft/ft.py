@@ -85,9 +85,14 @@ def _flat(obj, prefix=""):
     return {prefix: obj}
 
 
+# per-rank state: equal across replicas only right after a change of world size (each rank
+# restarts it); a rebuild at the same size (a joiner's second try) keeps each rank's own
+_PER_RANK = ("/rank", "compressor")
+
+
 def _same(a, b) -> bool:
-    fa = {k: v for k, v in _flat(a).items() if "/rank" not in k}
-    fb = {k: v for k, v in _flat(b).items() if "/rank" not in k}
+    fa = {k: v for k, v in _flat(a).items() if not any(p in k for p in _PER_RANK)}
+    fb = {k: v for k, v in _flat(b).items() if not any(p in k for p in _PER_RANK)}
     if fa.keys() != fb.keys():
         return False
     return all(torch.equal(x, fb[k]) if isinstance(x, torch.Tensor) else x == fb[k]
@@ -232,7 +237,9 @@ def scenario(hosts: Hosts, system: str, lighthouse: str, out: Path, args) -> dic
         stall = max(stall, first["t"] - t_kill)
         lost = max(lost, sum(1 for r in after if not r["committed"] and r["t"] <= first["t"]))
     heal_s = next((r["heal_s"] for r in logs["back"] if r.get("heal_s") is not None), None)
-    heal_step = logs["back"][0]["step"] - 1
+    # the step it healed at: before its first committed step (with --fault heal-fail its
+    # first attempt is not committed)
+    heal_step = next(r["step"] for r in logs["back"] if r["committed"]) - 1
     dumps = [out / t / f"quorum-{heal_step}-{HOSTS}.pt" for t in [*survivors, "back"]]
     identical = all(d.exists() for d in dumps)
     if identical:
