@@ -361,8 +361,9 @@ class BaguaModule(torch.nn.Module):
         _broadcast_tensors(newly, self.group)
         if self.group.rank == 0:
             names = {id(p): n for n, p in self.ctx.module.named_parameters()}
-            logger.warning("bagua_algos: parameters frozen at with_bagua now require a gradient "
-                           f"and join the buckets: {[names.get(id(p), '?') for p in newly]}")
+            logger.warning("bagua_algos: parameters frozen at with_bagua now require a gradient; "
+                           f"they take rank 0's values and {type(self.algorithm).__name__} "
+                           f"synchronises them from now on: {[names.get(id(p), '?') for p in newly]}")
         known = {id(t) for t in self._tensors}
         if self.algorithm.sparse_allreduce and self.impl.uses_grad_buckets:
             had = {id(p) for p in self._sparse}

@@ -181,25 +181,61 @@ class DiLoCoImpl(AlgorithmImpl):
     def init_operations(self, ctx, buckets):
         if self.params is not None:
             return                     # re-bucketing: our state does not depend on buckets
-        named = trainable(ctx.module)
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
+        self._lay_out(trainable(ctx.module))
         self.device = self.params[0].device
         self.anchor_device = self.algo.anchor_device or self.device
+        self.counts_of = {id(o): 0 for o in ctx.optimizers}
+        self.buffers = [b for b in ctx.module.buffers() if b.is_floating_point()]
+        with torch.no_grad():
+            self._new_outer([self.gather(p).to(self.anchor_device, copy=True)
+                             for p in range(self.P)])
+
+    def _lay_out(self, named) -> None:
+        """The flat vector's parameters (``named``, in this order) and its fragments."""
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
         self.offsets, off = [], 0
         for p in self.params:
             self.offsets.append(off)
             off += p.numel()
         self.numel = off
         self.bounds = fragment_bounds(off, self.P)
-        self.counts_of = {id(o): 0 for o in ctx.optimizers}
-        self.buffers = [b for b in ctx.module.buffers() if b.is_floating_point()]
-        with torch.no_grad():
-            self.anchors = [self.gather(p).to(self.anchor_device, copy=True)
-                            for p in range(self.P)]
+
+    def _new_outer(self, anchors, momentum=None) -> None:
+        self.anchors = anchors
         self.outer = torch.optim.SGD(self.anchors, lr=self.algo.outer_lr,
                                      momentum=self.algo.outer_momentum,
                                      nesterov=self.algo.nesterov)
+        for a, m in zip(self.anchors, momentum or ()):
+            self.outer.state[a] = {"momentum_buffer": m.to(self.anchor_device)}
+
+    def _take_unfrozen(self, module) -> None:
+        """Parameters frozen at the wrap that require a gradient now (the module gave them
+        rank 0's values, every rank does this at the same forward) join the flat vector: their
+        anchor is that value, their outer momentum zero (as a first sync: SGD treats a zero
+        buffer as none).  The fragments are cut anew; syncs in flight land first, and the
+        outer gradient's error-feedback residuals (per fragment) restart at zero."""
+        known = {id(p) for p in self.params}
+        named = [(n, p) for n, p in module.named_parameters()
+                 if id(p) in known or p.requires_grad]
+        if len(named) == len(self.params):
+            return
+        with torch.no_grad():
+            for f in sorted(self.pending):
+                self.apply(f)
+            anchor = self._by_name(self.anchors)
+            momentum = self._momentum()
+            momentum = None if momentum is None else self._by_name(momentum)
+            self._lay_out(named)
+            for n, p in named:
+                if id(p) not in known:
+                    anchor[n] = p.detach().reshape(-1).float().cpu()
+                    if momentum is not None:
+                        momentum[n] = torch.zeros(p.numel())
+            self._new_outer([t.to(self.anchor_device) for t in self._from_names(anchor, "anchor")],
+                            None if momentum is None else self._from_names(momentum, "momentum"))
+        if self.compressor is not None and hasattr(self.compressor, "reset_residuals"):
+            self.compressor.reset_residuals()
 
     def pieces(self, fragment: int):
         """(parameter, start, end, position in the fragment) covering the fragment."""
@@ -346,21 +382,24 @@ class DiLoCoImpl(AlgorithmImpl):
             whole[o:o + p.numel()] = state[n].reshape(-1)
         return [whole[lo:hi].clone() for lo, hi in self.bounds]
 
+    def _momentum(self) -> list[torch.Tensor] | None:
+        """Every fragment's outer momentum, or None before any sync (or without momentum).
+        A fragment that has not synced yet has no buffer: given as zeros, which the outer
+        SGD's first step treats exactly as none (0 x momentum + delta = delta)."""
+        momentum = [self.outer.state.get(a, {}).get("momentum_buffer") for a in self.anchors]
+        if not (self.algo.outer_momentum and any(m is not None for m in momentum)):
+            return None
+        return [torch.zeros_like(a) if m is None else m for a, m in zip(self.anchors, momentum)]
+
     def state_dict(self):
         self.finish()
-        # A fragment that has not synced yet has no momentum buffer: saved as zeros, which
-        # the outer SGD's first step treats exactly as none (0 x momentum + delta = delta).
-        # (Before, one missing buffer dropped every fragment's momentum from the checkpoint.)
-        momentum = [self.outer.state.get(a, {}).get("momentum_buffer") for a in self.anchors]
-        if self.algo.outer_momentum and any(m is not None for m in momentum):
-            momentum = [torch.zeros_like(a) if m is None else m
-                        for a, m in zip(self.anchors, momentum)]
+        momentum = self._momentum()
         pending = {f: {"apply_at": s.apply_at, "delta": s.delta.cpu().clone(),
                        "start": None if s.start is None else s.start.cpu().clone()}
                    for f, s in self.pending.items()}
         out = {"steps": self.steps, "fragments": self.P, "sync_every": self.H,
                "anchor": self._by_name(self.anchors), "pending": pending}
-        if all(m is not None for m in momentum):
+        if momentum is not None:
             out["momentum"] = self._by_name(momentum)
         if self.compressor is not None:
             out["compressor"] = self.compressor.state_dict()
@@ -418,7 +457,7 @@ class DiLoCoImpl(AlgorithmImpl):
         return {}
 
     def after_rebucket(self, ctx, buckets, state):
-        pass
+        self._take_unfrozen(ctx.module)      # the module re-lays out when one is unfrozen
 
     def shutdown(self):
         self.finish()
