@@ -229,8 +229,21 @@ def _residual_keys_and_resume():
     return keys, last_layouts, same, sorted(saved["compressor"]["residuals"])
 
 
+def _sparse_refused():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
+    ddp = _ddp(model, CompressionHookState())
+    with pytest.raises(ValueError, match="does not support sparse gradients") as err:
+        ddp(torch.tensor([[1, 2], [3, 4]])).sum().backward()
+    return str(err.value)
+
+
 def _state_cases():
-    return {"keys": _residual_keys_and_resume(), "resume": _resume()}
+    return {"keys": _residual_keys_and_resume(), "resume": _resume(),
+            "resume several buckets": _resume(make=lambda: make_model(seed=1),
+                                              bucket_cap_mb=0.0005,
+                                              find_unused_parameters=True),
+            "sparse": _sparse_refused()}
 
 
 @pytest.fixture(scope="module")
@@ -249,20 +262,20 @@ def test_residuals_follow_bucket_parameters_and_stale_ones_are_dropped(state_cas
                                                                              "scatter"))
 
 
-def _resume(save_at=3, total=6):
+def _resume(save_at=3, total=6, make=None, **ddp_kw):
     """Train a single-weight model total steps, and again resumed from a checkpoint of the
     model, optimizer and hook state taken after save_at steps."""
     rank = bc.get_rank()
 
     def run(start, ckpt=None):
-        model = _single_weight_model()
+        model = (make or _single_weight_model)()
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         state = CompressionHookState(error_feedback=True)
         if ckpt is not None:
             model.load_state_dict(ckpt["model"])
             opt.load_state_dict(ckpt["opt"])
             state.load_state_dict(ckpt["hook"])
-        ddp = _ddp(model, state)
+        ddp = _ddp(model, state, **ddp_kw)
         saved = None
         for step in range(start, total):
             if step == save_at and ckpt is None:
@@ -281,10 +294,19 @@ def _resume(save_at=3, total=6):
     return straight, resumed
 
 
-def test_checkpointed_residuals_resume_the_same_training(state_cases):
-    for straight, resumed in (r["resume"] for r in state_cases):
+@pytest.mark.parametrize("case", ["resume", "resume several buckets"])
+def test_checkpointed_residuals_resume_the_same_training(state_cases, case):
+    """Exact where DDP's first buckets are the saved ones: one bucket, or several with
+    find_unused_parameters=True (DDP never rebuilds them then), as the docs say."""
+    for straight, resumed in (r[case] for r in state_cases):
         for a, b in zip(straight, resumed):
             assert torch.equal(a, b)
+
+
+def test_sparse_gradients_are_refused_by_name_on_every_rank(state_cases):
+    """Before: "send must be contiguous (call .contiguous() first)" from bagua_comm."""
+    for r in state_cases:
+        assert "Embedding/EmbeddingBag(sparse=True)" in r["sparse"]
 
 
 # -- process groups and bad input -------------------------------------------------------------

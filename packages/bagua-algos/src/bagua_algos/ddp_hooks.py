@@ -21,6 +21,16 @@ buckets after the first iteration.  A bucket whose parameter set is new starts f
 residual; residuals of buckets DDP no longer uses are dropped after two backward passes
 without them.  :meth:`CompressionHookState.state_dict` holds plain tensors and dicts
 (``torch.load(..., weights_only=True)`` reads it).
+
+Resuming from it is exact when the fresh DDP model's first buckets are the ones saved: with
+``find_unused_parameters=True`` (DDP never rebuilds its buckets then), or a model whose rebuilt
+buckets hold the same parameters in the same order as its first ones.  Otherwise the first
+iteration after the resume runs in DDP's first buckets, without residuals (their layout
+differs, and a rank's gather residual covers another segment); the saved residuals apply from
+the second iteration on, so the run differs slightly from the uninterrupted one.
+
+Sparse gradients (``Embedding(sparse=True)``) are not supported: the hook raises a ValueError
+saying so at the first backward.
 """
 
 # No ``from __future__ import annotations``: DDP's register_comm_hook compares the hook's
@@ -237,6 +247,13 @@ def compressed_allreduce_hook(state: CompressionHookState, bucket: dist.GradBuck
     if state._stale:
         state._drop_stale()
     buf = bucket.buffer()
+    if buf.layout is not torch.strided:
+        shapes = [tuple(p.shape) for p in bucket.parameters()]
+        raise ValueError(f"compressed_allreduce_hook does not support sparse gradients (the "
+                         f"parameter of shape {shapes[0] if len(shapes) == 1 else shapes} has "
+                         "one: Embedding/EmbeddingBag(sparse=True)); build it with sparse=False, "
+                         "or keep DDP's default allreduce for this model (with_bagua's "
+                         "GradientAllReduce averages sparse gradients)")
     key = state._key(bucket.parameters())
     # a CUDA result needs a future that knows its device (torch refuses it otherwise)
     fut: torch.futures.Future = torch.futures.Future(devices=[buf.device] if buf.is_cuda
