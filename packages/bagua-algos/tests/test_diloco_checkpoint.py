@@ -74,6 +74,9 @@ def _same_world():
         out[case] = (full, resumed, ck)
     # rank 0's checkpoint at a sync (step 6 of sync_every=3), for the other world size
     out["at sync"] = _run("diloco", save_at=6, total=6)[1]
+    # rank 0's file loaded by every rank at the same world size (Adam inside, between syncs)
+    ck0 = bc.broadcast_object(out["diloco"][2] if bc.get_rank() == 0 else None, 0)
+    out["rank 0's file"] = _run("diloco", ck0)[0]
     return out
 
 
@@ -98,6 +101,16 @@ def test_resume_equals_the_uninterrupted_run(saved, case):
         if case == "streaming 4-bit":
             assert impl["pending"]                       # a sync was in flight when saved
             assert impl["compressor"]["residuals"]       # error feedback is checkpointed
+
+
+def test_rank0_file_is_not_every_rank_s_state_with_adam_inside(saved):
+    """Why docs/algorithms/diloco.md says: save one file per rank.  The inner Adam state is
+    per rank, so ranks resumed from rank 0's file leave the uninterrupted run (rank 0 too,
+    from the next sync, which averages rank 1's), while their own files
+    (test_resume_equals_the_uninterrupted_run, case "diloco") resume it bit for bit."""
+    for r in range(2):
+        full, _, _ = saved[r]["diloco"]
+        assert not torch.equal(full[-1], saved[r]["rank 0's file"][-1])
 
 
 def _resume_at(ck):
