@@ -11,6 +11,7 @@ import bagua_comm as bc
 
 from .._checks import check_bool
 from .._compression import CompressedAllReduce, check_compressor, reset_residuals_note
+from .._overflow import all_finite
 from ..algorithm import Algorithm, AlgorithmImpl
 
 
@@ -58,6 +59,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
         self.warmup_steps = warmup_steps
         self.momentum_ready: set[int] = set()   # params whose exp_avg QAdam already updated
         self._under_qadam = False               # set by the QAdam algorithm (with_bagua)
+        self._amp = False                       # a torch.amp.GradScaler has driven step()
 
     def init_state(self, p) -> dict:
         state = self.state[p]
@@ -84,14 +86,16 @@ class QAdamOptimizer(torch.optim.Optimizer):
         scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         if scale is not None or found_inf is not None:
-            if self._under_qadam:
+            if self._under_qadam and self.momentum_ready:
                 raise RuntimeError(
-                    "QAdam cannot train with torch.amp.GradScaler: after warmup the QAdam "
-                    "algorithm folds each gradient into the momentum during backward and "
-                    "averages that momentum across ranks, before the scaler can unscale the "
-                    "gradient or skip an overflowing step (and an overflow on one rank would "
-                    "skip the step there only). Drop the GradScaler (bfloat16 autocast needs "
-                    "none) or use another algorithm, e.g. ByteGrad, with torch.optim.Adam")
+                    "QAdam met torch.amp.GradScaler only after warmup, when this step's "
+                    "momentum had already been averaged in backward from the loss-scaled "
+                    "gradient; use the GradScaler from the first step (QAdam then folds the "
+                    "unscaled gradient into the momentum in step())")
+            self._amp = True
+            # Under QAdam every rank has the same found_inf: in warmup the gradients are
+            # averaged (an overflow anywhere is one everywhere); after it, the end of
+            # backward spreads any rank's overflow to every rank's gradients.
             if found_inf is not None and float(found_inf) > 0:
                 return loss                       # GradScaler: an overflow skips the step
             if scale is not None:                 # unscale as GradScaler.unscale_ would
@@ -100,6 +104,8 @@ class QAdamOptimizer(torch.optim.Optimizer):
                     for p in group["params"]:
                         if p.grad is not None:
                             p.grad.mul_(inv.to(p.grad.device))
+            if self._under_qadam and not self.next_step_is_warmup():
+                self._qadam_average()             # the momentum fold, deferred to here
         for group in self.param_groups:
             group["step_id"] += 1
             t = group["step_id"]
@@ -209,6 +215,7 @@ class QAdamImpl(AlgorithmImpl):
         self._group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
         self.optimizer._under_qadam = True
         self.optimizer._qadam_groups = len(self.optimizer.param_groups)
+        self.optimizer._qadam_average = self.average_momentum
 
     def bucket_alignment(self) -> int:
         return self.state.compressed.alignment()
@@ -238,10 +245,17 @@ class QAdamImpl(AlgorithmImpl):
     def bucket_ready_hook(self, ctx, bucket):
         if self.optimizer.next_step_is_warmup():
             return self.state.reducer.allreduce(bucket.grad_and_flags, bc.ReduceOp.AVG)
+        if self.optimizer._amp:
+            return None       # loss-scaled gradients: folded in step(), once unscaled
+        return self._fold_and_average(bucket, bucket.grad_views())
+
+    def _fold_and_average(self, bucket, grads):
+        """m ← β1·m + (1 - β1)·(g + wd·p) for the bucket's parameters, then start the
+        compressed average of its momentum buffer."""
         i = bucket.index
         self._bind_momentum(bucket)
         with torch.no_grad():
-            for p, g, m in zip(bucket.params, bucket.grad_views(), self.state.views[i]):
+            for p, g, m in zip(bucket.params, grads, self.state.views[i]):
                 group = self._group_of[id(p)]
                 beta1 = group["betas"][0]
                 if group["weight_decay"]:
@@ -249,6 +263,33 @@ class QAdamImpl(AlgorithmImpl):
                 m.mul_(beta1).add_(g, alpha=1 - beta1)
                 self.optimizer.momentum_ready.add(id(p))
         return self.state.compressed(self.state.momentum[i], bucket)
+
+    def average_momentum(self) -> None:
+        """Under torch.amp.GradScaler, from ``step()`` once the gradients are unscaled and the
+        step is known not to be skipped (on every rank alike): the fold and the compressed
+        average that backward does otherwise.  The momentum (and so the error-feedback
+        residuals) stay in unscaled units whatever the scale does."""
+        handles = []
+        for b in self.buckets:
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in b.params]
+            handles.append(self._fold_and_average(b, grads))
+        for h in handles:
+            if h is not None:
+                h.wait()
+
+    def post_backward_hook(self, ctx):
+        """Under GradScaler after warmup nothing crossed ranks in backward, so each rank's
+        scaler would see its own overflow only: agree on one (a 1-element MAX), and write an
+        inf into every rank's gradients when any rank overflowed, so that every scaler skips
+        the step and backs off alike."""
+        if not self.optimizer._amp or self.optimizer.next_step_is_warmup():
+            return
+        grads = [p.grad for b in self.buckets for p in b.params if p.grad is not None]
+        flag = torch.tensor([0.0 if all_finite(grads) else 1.0])
+        if self.group.size > 1:
+            bc.allreduce_inplace(flag, bc.ReduceOp.MAX, group=self.group)
+        if flag.item() and grads:
+            grads[0].view(-1)[0] = float("inf")
 
     def state_dict(self):
         return {"compressor": self.state.compressed.state_dict()}
@@ -268,4 +309,5 @@ class QAdamImpl(AlgorithmImpl):
 
     def shutdown(self):
         self.optimizer._under_qadam = False
+        self.optimizer._qadam_average = None
         self.state.compressed.close()
