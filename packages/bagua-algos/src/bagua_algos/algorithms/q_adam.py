@@ -285,7 +285,8 @@ class QAdamImpl(AlgorithmImpl):
         if not self.optimizer._amp or self.optimizer.next_step_is_warmup():
             return
         grads = [p.grad for b in self.buckets for p in b.params if p.grad is not None]
-        flag = torch.tensor([0.0 if all_finite(grads) else 1.0])
+        device = self.buckets[0].device if self.buckets else "cpu"   # NCCL: a CUDA flag
+        flag = torch.tensor([0.0 if all_finite(grads) else 1.0], device=device)
         if self.group.size > 1:
             bc.allreduce_inplace(flag, bc.ReduceOp.MAX, group=self.group)
         if flag.item() and grads:
