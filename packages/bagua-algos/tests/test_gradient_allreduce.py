@@ -18,8 +18,8 @@ from bagua_algos import GradientAllReduce, with_bagua
 from bagua_comm.testing import run_ranks
 
 STEPS, LR = 12, 0.05
-CONFIGS = {"flat_one_bucket": (True, None), "flat_small_buckets": (True, 200),
-           "unflattened": (False, 200)}
+CONFIGS = {"flat_one_bucket": (True, None), "flat_small_buckets": (True, 64),
+           "unflattened": (False, 64)}
 
 
 def train_allreduce(algorithm, do_flatten=True, bucket_size=200):

@@ -136,19 +136,21 @@ class BaguaBucket:
     # -- gradients ----------------------------------------------------------------------------
     def gather_grads(self, divide_by: int | None = None) -> None:
         """Make ``grad`` hold every parameter's current gradient (missing ones count as 0),
-        divided by ``divide_by`` if given: the division is fused into the copy a gradient
-        that is not yet a view of ``grad`` needs anyway (one pass over memory, not two)."""
+        divided by ``divide_by`` if given, as DDP's reducer divides: a multiplication by the
+        scalar ``1 / divide_by`` (rounded to the gradient's dtype), fused into the copy a
+        gradient that is not yet a view of ``grad`` needs anyway (one pass, not two)."""
+        scale = None if divide_by is None else 1.0 / divide_by
         with torch.no_grad():
             for p, v in zip(self.params, self._grad_views):
                 g = p.grad
                 if g is None:
                     v.zero_()
                 elif self.flatten and _same_storage(g, v):
-                    if divide_by is not None:
-                        v.div_(divide_by)
+                    if scale is not None:
+                        v.mul_(scale)
                     continue
-                elif divide_by is not None:
-                    torch.div(g, divide_by, out=v)
+                elif scale is not None:
+                    torch.mul(g, scale, out=v)
                 else:
                     v.copy_(g)
                 if self.flatten:

@@ -3,7 +3,8 @@
 A sparse gradient holds only the rows a rank's batch touched, a different number on every
 rank, so it cannot ride in a dense bucket.  Each rank coalesces its own, the ranks exchange
 their row counts, then their (padded) indices and values by two allgathers, and every rank
-sums all of them in rank order, so the result is the same on every rank.  Written on
+sums all of them in rank order, so the result is the same on every rank; averaging divides each rank's gradient
+by the world size first, as DDP.  Written on
 ``bagua_comm.allgather`` rather than torch's sparse allreduce, which gloo has and NCCL lacks:
 one code path for both backends.
 """
@@ -28,7 +29,10 @@ def allreduce_sparse(grad: torch.Tensor | None, param: torch.Tensor, group: bc.P
     # exchanged as its rows, handed back dense, as it came
     dense_in = grad is not None and not grad.is_sparse
     if grad is not None:
-        g = (grad.to_sparse(1) if dense_in else grad).coalesce()
+        # as DDP: each rank's gradient is divided by the world size before the sum (then
+        # coalesced, as gloo's sparse allreduce coalesces its input)
+        g = grad.to_sparse(1) if dense_in else grad
+        g = (g / n if average else g).coalesce()
         idx, vals = g.indices()[0], g.values()
     else:
         idx = torch.empty(0, dtype=torch.int64, device=dev)
@@ -39,7 +43,7 @@ def allreduce_sparse(grad: torch.Tensor | None, param: torch.Tensor, group: bc.P
     counts = counts.tolist()
     most = max(counts)
     if most == 0:
-        return None if grad is None else grad / (n if average else 1)
+        return None if grad is None else (g.to_dense() if dense_in else g)
     row = 1
     for d in dense_dims:
         row *= d
@@ -52,11 +56,13 @@ def allreduce_sparse(grad: torch.Tensor | None, param: torch.Tensor, group: bc.P
     bc.allgather(send_idx, all_idx, group=group)
     bc.allgather(send_vals, all_vals, group=group)
     all_idx, all_vals = all_idx.view(n, most), all_vals.view(n, most, *dense_dims)
-    idx = torch.cat([all_idx[r, :c] for r, c in enumerate(counts)])
-    vals = torch.cat([all_vals[r, :c] for r, c in enumerate(counts)])
-    out = torch.sparse_coo_tensor(idx.unsqueeze(0), vals, param.shape,
-                                  check_invariants=True).coalesce()
-    out = out / n if average else out
+    # the sum in rank order, as gloo's sparse allreduce (DDP's) adds the ranks' parts
+    out = None
+    for r, c in enumerate(counts):
+        part = torch.sparse_coo_tensor(all_idx[r, :c].unsqueeze(0), all_vals[r, :c],
+                                       param.shape, check_invariants=True)
+        out = part if out is None else out.add_(part)
+    out = out.coalesce()
     return out.to_dense() if dense_in else out
 
 

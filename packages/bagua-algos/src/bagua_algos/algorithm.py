@@ -28,7 +28,6 @@ rebuilds the per-bucket state from it; the defaults go through ``state_dict`` an
 from __future__ import annotations
 
 import inspect
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -154,6 +153,9 @@ class AlgorithmImpl:
     # True: every rank holds the same model after each step, so that with_bagua's
     # broadcast_buffers=True starts every training step from rank 0's buffers (as DDP)
     synchronous: ClassVar[bool] = False
+    # True: the first step's gradient buckets are DDP's first iteration's (one per dtype, in
+    # registration order, no size limit) until the gradient-ready order is known
+    ddp_first_layout: ClassVar[bool] = False
 
     def __init__(self, group: bc.ProcessGroup):
         self.group = group
@@ -174,35 +176,26 @@ class AlgorithmImpl:
 
     def tensors_to_buckets(self, tensors: list[torch.Tensor],
                            bucket_size: int) -> list[list[torch.Tensor]]:
-        """Split per dtype (and device), filling each bucket up to ``bucket_size`` bytes.
-
-        The first bucket of each dtype is capped at ``FIRST_BUCKET_SIZE`` (1 MiB) so that
-        communication starts early in backward, overlapping the rest of it.  As in DDP, that
-        first bucket closes with the tensor that reaches 1 MiB, not before it: closed before,
-        it would hold a last layer's few small tensors, start almost nothing early and leave
-        the big tensor after them to the bucket that waits for the end of backward."""
-        open_: OrderedDict[Any, list] = OrderedDict()
+        """Split per dtype (and device) by DDP's rule (``_compute_bucket_assignment_by_size``):
+        tensors join their dtype's open bucket in the given order, and the tensor that brings
+        it to its limit or past it closes it (the bucket holds that tensor).  The limit of a
+        dtype's first bucket is ``min(FIRST_BUCKET_SIZE, bucket_size)`` (DDP's
+        ``_DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB, so that communication starts early in
+        backward), ``bucket_size`` after it.  Buckets come in the order of their first
+        tensor."""
+        open_: dict[Any, list] = {}
         sizes: dict[Any, int] = {}
+        closed: set = set()      # keys whose first bucket has closed
         buckets = []
-        started: set = set()      # keys whose capped first bucket has closed
-
-        def close(key) -> None:
-            buckets.append(open_[key])
-            open_[key], sizes[key] = [], 0
-
         for t in tensors:
             key = (t.dtype, t.device)
-            open_.setdefault(key, [])
-            nbytes = t.numel() * t.element_size()
-            first = key not in started and bucket_size > FIRST_BUCKET_SIZE
-            # a zero-size tensor joins the open bucket: never one of its own
-            if not first and open_[key] and nbytes and sizes[key] + nbytes > bucket_size:
-                close(key)                   # this tensor would overfill the bucket
-            open_[key].append(t)
-            sizes[key] = sizes.get(key, 0) + nbytes
-            if first and sizes[key] >= FIRST_BUCKET_SIZE:
-                started.add(key)             # the first bucket reached 1 MiB: close it
-                close(key)
+            open_.setdefault(key, []).append(t)
+            sizes[key] = sizes.get(key, 0) + t.numel() * t.element_size()
+            limit = bucket_size if key in closed else min(FIRST_BUCKET_SIZE, bucket_size)
+            if sizes[key] >= limit:
+                buckets.append(open_[key])
+                open_[key], sizes[key] = [], 0
+                closed.add(key)
         buckets.extend(b for b in open_.values() if b)
         order = {id(t): i for i, t in enumerate(tensors)}
         return sorted(buckets, key=lambda b: order[id(b[0])])   # launch in readiness order
