@@ -44,18 +44,24 @@ def check_joinable(module, divide_by_initial_world_size, enable, throw) -> None:
 
 
 def join_round(group: bc.ProcessGroup, active: bool, buffers: bool = False,
-               step: bool = False) -> tuple[list[int], tuple[bool, bool]]:
+               step: bool = False, order: bool = False
+               ) -> tuple[list[int], tuple[bool, bool], int]:
     """Collective, one allgather of a byte per rank: the ranks that still have data (this one
     among them if ``active``; the highest of them is whose buffers every rank takes while
-    joining, DDP's authoritative rank under ``join()``), and what their forward does: whether
-    it broadcasts the buffers and whether it starts a synchronised step (what a joined rank
-    shadows)."""
+    joining, DDP's authoritative rank under ``join()``), what their forward does (whether it
+    broadcasts the buffers and whether it starts a synchronised step: what a joined rank
+    shadows), and the lowest rank whose one-time bucket order is due (``order``: it has seen
+    its first synchronised backward), -1 if none: every rank, active or joined, takes that
+    rank's order at this forward (a rank that never ran a synchronised backward, for want of
+    batches or under ``no_sync()``, has none to give, and must not be waited for)."""
     flags = torch.empty(group.size, dtype=torch.uint8)
-    code = (1 if active else 0) | (2 if buffers else 0) | (4 if step else 0)
+    code = (1 if active else 0) | (2 if buffers else 0) | (4 if step else 0) | (8 if order else 0)
     bc.allgather(torch.tensor([code], dtype=torch.uint8), flags, group=group)
     codes = flags.tolist()
     ranks = [r for r, f in enumerate(codes) if f & 1]
-    return ranks, (any(f & 2 for f in codes), any(f & 4 for f in codes))
+    stepping = any(f & 4 for f in codes)
+    src = next((r for r, f in enumerate(codes) if f & 8), -1) if stepping else -1
+    return ranks, (any(f & 2 for f in codes), stepping), src
 
 
 def early_termination(group: bc.ProcessGroup) -> RuntimeError:
@@ -63,22 +69,31 @@ def early_termination(group: bc.ProcessGroup) -> RuntimeError:
                         "throw_on_early_termination=True stops every rank")
 
 
-def shadow_step(module, src: int, buffers: bool = True, step: bool = True) -> None:
+def shadow_step(module, src: int, buffers: bool = True, step: bool = True,
+                order: int = -1) -> None:
     """One forward's collectives, in the order an active rank issues them, with no data:
     the buffer broadcast (``buffers``) and a synchronised step's (``step``); ``src``: the
-    highest rank with data, whose buffers every rank takes."""
+    highest rank with data, whose buffers every rank takes; ``order``: the rank whose bucket
+    order every rank takes now (-1: none)."""
     m = module
-    m._start_step(src, buffers, step)    # forward: what an active rank does after the count
+    m._start_step(src, buffers, step, order)   # forward: as an active rank after the count
     if not step:
         return
-    # backward: every bucket in index order, zero gradient, flags 0 (no gradient here)
+    # backward: every bucket in index order, zero gradient; "got a gradient" flags as this
+    # rank's last synchronised backward set them (all, before any), as DDP's joined rank
     handles = []
+    carried = m.impl.carries_unused_flags(m.ctx)
     for b in m.buckets:
         b.grad_and_flags.zero_()
+        if b.flags is not None and carried:
+            m._shadow_flags(b.flags)
         handles.append(m._start_bucket(b))
     for h in handles:
         if h is not None:
             h.wait()
+    if m.buckets and not carried:       # the active ranks' own flag collective
+        flags = m._shadow_flags(torch.empty(len(m._slotted), dtype=torch.uint8))
+        bc.allreduce_inplace(flags, bc.ReduceOp.MAX, group=m.group)
     for p in m._sparse:
         allreduce_sparse(None, p, m.group, m._sparse_average)
     m.impl.post_backward_hook(m.ctx)

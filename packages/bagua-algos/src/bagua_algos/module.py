@@ -189,7 +189,11 @@ class BaguaModule(torch.nn.Module):
         self._used_nosync: set[int] = set()    # gradients accumulated under no_sync()
         self._carried = False      # this step's flags ride in the last bucket's allreduce
         self._join: dict | None = None      # inside join(): {"throw": bool}
-        self._set_buckets(self._make_buckets(self._tensors, bucket_size))
+        # DDP's first iteration: one bucket per dtype in registration order, until the
+        # gradient-ready order of the first synchronised backward is known (then DDP's rule)
+        self._first_layout = self.impl.ddp_first_layout
+        self._set_buckets(self._make_buckets(self._tensors, bucket_size,
+                                             first=self._first_layout))
         self.impl.init_operations(self.ctx, self.buckets)
         self._register_hooks()
         # autotuning (bagua_algos._autotune): collective, after the buckets exist
@@ -219,11 +223,17 @@ class BaguaModule(torch.nn.Module):
         """The current bucket size in bytes (see :meth:`rebucket`)."""
         return self._bucket_size
 
-    def _make_buckets(self, tensors, bucket_size) -> list[BaguaBucket]:
+    def _make_buckets(self, tensors, bucket_size, first: bool = False) -> list[BaguaBucket]:
+        if first:       # registration order (tensors come reversed), no size limit
+            keyed: dict = {}
+            for t in reversed(tensors):
+                keyed.setdefault((t.dtype, t.device), []).append(t)
+            groups = list(keyed.values())
+        else:
+            groups = self.impl.tensors_to_buckets(tensors, bucket_size)
         # a group of zero-size tensors only has nothing to communicate (and compressors need
         # a positive length): its tensors stay out of the buckets, as unused ones would
-        groups = [g for g in self.impl.tensors_to_buckets(tensors, bucket_size)
-                  if any(t.numel() for t in g)]
+        groups = [g for g in groups if any(t.numel() for t in g)]
         align = self.impl.bucket_alignment()
         name_of = {id(t): n for t, n in zip(self._tensors, self._names)}
         # the last bucket (the last to start, on every rank) has one flag slot per tensor
@@ -271,6 +281,7 @@ class BaguaModule(torch.nn.Module):
 
     def _relayout(self, bucket_size: int) -> None:
         state = self.impl.before_rebucket(self.ctx)
+        self._first_layout = False
         self._set_buckets(self._make_buckets(self._tensors, bucket_size))
         for b in self.buckets:
             b.adopt_grads()
@@ -278,22 +289,28 @@ class BaguaModule(torch.nn.Module):
         self._bucket_size = bucket_size
         self._layout_stale = False
 
-    def _fix_order(self, relayout: bool = True) -> None:
+    def _fix_order(self, relayout: bool = True, src: int = 0) -> None:
         """Once, at the start of the second step: order the tensors by when their gradients
-        became ready in the first synchronised backward, as rank 0 saw it (every rank takes
-        rank 0's order), and rebuild the buckets in that order."""
-        self._order_pending = False
+        became ready in the first synchronised backward, as rank ``src`` saw it (every rank
+        takes its order; rank 0 unless joining ranks had none), and rebuild the buckets in
+        that order.  A rank that has seen no backward yet takes it too, and observes no
+        more: the layout is fixed once, on every rank alike."""
+        self._order_pending = self._observing = False
         observed, self._observed = self._observed, []
         if not self.impl.uses_grad_buckets:   # weight buckets: readiness order is moot
             return
         index = {id(t): i for i, t in enumerate(self._tensors)}
         order = [index[k] for k in observed if k in index]
         if self.group.size > 1:
-            order = bc.broadcast_object(order if self.group.rank == 0 else None, 0,
+            order = bc.broadcast_object(order if self.group.rank == src else None, src,
                                         group=self.group)
         seen = set(order)
         order += [i for i in range(len(self._tensors)) if i not in seen]
         if order == list(range(len(self._tensors))):
+            if self._first_layout:
+                self._layout_stale = True
+                if relayout:
+                    self._relayout(self._bucket_size)
             return
         self._tensors = [self._tensors[i] for i in order]
         self._names = [self._names[i] for i in order]
@@ -328,25 +345,29 @@ class BaguaModule(torch.nn.Module):
         if not (step or buffers):
             return
         src = 0                     # buffers: rank 0's; while joining, the highest active
+        order = 0 if self._order_pending else -1
         if self._join is not None:
-            ranks, _ = join_round(self.group, True, buffers, step)
+            ranks, _, order = join_round(self.group, True, buffers, step,
+                                         order=self._order_pending)
             if len(ranks) < self.group.size and self._join["throw"]:
                 raise early_termination(self.group)
             src = ranks[-1]
-        self._start_step(src, buffers, step)
+        self._start_step(src, buffers, step, order)
 
-    def _start_step(self, src: int, buffers: bool = True, step: bool = True) -> None:
+    def _start_step(self, src: int, buffers: bool = True, step: bool = True,
+                    order: int = -1) -> None:
         """A forward's collectives (and a joined rank's shadow of them): the buffers from rank
         ``src`` when ``buffers``; when ``step`` (a synchronised training forward), the
-        one-time bucket order, the tuner, the algorithm's hook."""
+        one-time bucket order (from rank ``order``, when >= 0), the tuner, the algorithm's
+        hook."""
         if step and self._frozen and any(p.requires_grad for p in self._frozen):
             self._adopt_unfrozen()
         if buffers and self._sync_buffers:
             broadcast_tensors(self._sync_buffers, self.group, src)
         if not step:
             return
-        if self._order_pending:
-            self._fix_order()
+        if order >= 0:
+            self._fix_order(src=order)
         self.ctx.step += 1
         if self._autotuner is not None:
             self._autotuner.on_step(self)     # may switch configuration, on every rank
@@ -528,9 +549,21 @@ class BaguaModule(torch.nn.Module):
         one when the last bucket starts during backward; only a step that misses some
         starts it at the end of backward, after :meth:`_missing_grads`."""
         if len(self._ready) == len(self._slotted):
+            self._last_used = None
             return out.fill_(1)
-        used = self._ready | self._used_nosync
+        used = self._last_used = self._ready | self._used_nosync
         local = torch.tensor([id(t) in used for t in self._slotted], dtype=out.dtype)
+        return out.copy_(local)
+
+    # a joined rank reports, in the steps it shadows, which tensors its last synchronised
+    # backward gave a gradient (None: all of them, also before any), as DDP's joined rank
+    # reports its last local-used map: a tensor only it used gets a zero gradient elsewhere
+    _last_used: set[int] | None = None
+
+    def _shadow_flags(self, out: torch.Tensor) -> torch.Tensor:
+        if self._last_used is None:
+            return out.fill_(1)
+        local = torch.tensor([id(t) in self._last_used for t in self._slotted], dtype=out.dtype)
         return out.copy_(local)
 
     def _start_unused_check(self, none_before):
@@ -716,12 +749,13 @@ class BaguaModule(torch.nn.Module):
             self._join = None
         last = True                           # reached only when the loop ended normally
         while True:
-            ranks, (buffers, step) = join_round(self.group, False)
+            ranks, (buffers, step), order = join_round(self.group, False,
+                                                       order=self._order_pending)
             if not ranks:
                 break
             if throw_on_early_termination:
                 raise early_termination(self.group)
-            shadow_step(self, ranks[-1], buffers, step)
+            shadow_step(self, ranks[-1], buffers, step, order)
             last = False
         final_sync(self, last)
 

@@ -39,6 +39,7 @@ class GradientAllReduce(Algorithm, name="gradient_allreduce"):
 
 class GradientAllReduceImpl(AlgorithmImpl):
     synchronous = True
+    ddp_first_layout = True      # DDP's buckets at every step: bit for bit with DDP
 
     def __init__(self, group, hierarchical, average):
         super().__init__(group)
@@ -54,13 +55,12 @@ class GradientAllReduceImpl(AlgorithmImpl):
         self.reducer.hierarchical = value
 
     def grad_divisor(self, bucket):
-        """Flat averaging on CPU (gloo) divides each gradient by the world size as it is
-        copied into the bucket, then allreduces a sum, as DDP does: one pass over the
-        gradients instead of a copy before and a division after the allreduce, and no
-        pass left at the end of backward.  With a power-of-two world size the result is
-        bit-identical to dividing the sum (a power-of-two division is exact); either way it
-        is bit-identical on every rank.  NCCL averages natively, so GPU buckets are left to
-        it; the hierarchical mode averages inside its own chain."""
+        """Flat averaging on CPU (gloo) multiplies each gradient by 1/world size as it is
+        copied into the bucket, then allreduces a sum, exactly as DDP's reducer does (so the
+        result is DDP's bit for bit at any world size, with DDP's bucket layout): one pass
+        over the gradients, none left at the end of backward; bit-identical on every rank.
+        NCCL averages natively, so GPU buckets are left to it; the hierarchical mode
+        averages inside its own chain."""
         if (self.op is bc.ReduceOp.AVG and not self.reducer.hierarchical
                 and bucket.device.type == "cpu" and self.group.size > 1):
             return self.group.size
@@ -68,13 +68,19 @@ class GradientAllReduceImpl(AlgorithmImpl):
 
     def carries_unused_flags(self, ctx):
         """Flat or hierarchical, a sum or a mean: a flag some rank set stays > 0, one no
-        rank set stays 0, so the flags ride in the last bucket's allreduce."""
-        return True
+        rank set stays 0, so the flags can ride in the last bucket's allreduce.  They do at
+        2 ranks and hierarchically.  Flat over 3 or more ranks they take an allreduce of
+        their own, as DDP's used-parameter map (find_unused_parameters=True): gloo's ring
+        sums an element in an order that depends on the buffer's length, so a bucket longer
+        than DDP's would sum some gradients in another order than DDP (at 2 ranks the order
+        of a sum of two is moot)."""
+        return self.reducer.hierarchical or self.group.size <= 2
 
     def bucket_ready_hook(self, ctx, bucket):
+        buf = bucket.grad_and_flags if self.carries_unused_flags(ctx) else bucket.grad
         if self.grad_divisor(bucket) is not None:      # divided while gathering
-            return self.reducer.allreduce(bucket.grad_and_flags, bc.ReduceOp.SUM)
-        return self.reducer.allreduce(bucket.grad_and_flags, self.op)
+            return self.reducer.allreduce(buf, bc.ReduceOp.SUM)
+        return self.reducer.allreduce(buf, self.op)
 
     def autotune_knobs(self):
         """Knobs the autotuner may switch between steps: ``hierarchical`` averages either
