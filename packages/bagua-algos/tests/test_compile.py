@@ -153,7 +153,10 @@ def _smoke(name, compiled, steps=3):
 # bucket or chunk (ByteGrad's min-max, QAdam's momentum) see other ranges.  Within rounding of
 # the compression (QAdam: an Adam step moves a weight by about lr = 0.01); every other
 # algorithm is bit for bit its eager run.
-_LAYOUT_TOL = {"bytegrad": 1e-3, "qadam": 0.02}
+# QAdam's bound: its two compressed steps (warm-up is step 1) each move a weight by about
+# lr = 0.01 either way, so the runs stay within 2 steps x 2 x lr (seen: 0.028 since DDP's
+# bucket rule, whose first-iteration bucket and ready-order rebuild differ compiled and eager).
+_LAYOUT_TOL = {"bytegrad": 1e-3, "qadam": 0.04}
 
 
 def _every_algorithm():
