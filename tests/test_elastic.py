@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.append(str(ROOT / "benchmarks"))  # appended: benchmarks/e2e (see _paths) stays first
 
 from testbed import testbed_available as _available  # noqa: E402
 
