@@ -104,9 +104,9 @@ def test_ratios_against_ddp_go_one_way():
 
 
 def test_the_number_of_algorithms_is_said_one_way():
-    sys.path[:0] = [str(ROOT / "packages" / "bagua-algos" / "src"),
-                    str(ROOT / "packages" / "bagua-comm" / "src")]
-    import bagua_algos  # noqa: F401  (registers the algorithms)
+    # the installed package (never src/ on sys.path: the ranks later tests spawn inherit the
+    # parent's sys.path and would import bagua_comm without its compiled kernels)
+    pytest.importorskip("bagua_algos")                # registers the algorithms
     from bagua_algos.algorithm import _REGISTRY
 
     word = NUMBER_WORDS[len(_REGISTRY)]
