@@ -316,7 +316,7 @@ def test_sync_rows_use_recommends_rule_and_a_compressed_row_counts_its_own_bytes
     costs an eighth of the allreduce, so its H is an eighth (rounded up) of float32's."""
     from _e2e_rows import DEFAULT_ROWS, OUTER_BYTES, planned_steps, sync_every_for
 
-    from bagua_algos._recommend import diloco_sync_every
+    from bagua_algos.tuning.recommend import diloco_sync_every
 
     # 4 hosts at 100 Mbit/s, base model: DDP 1.954 s a step, 0.24 s of it compute, 45 s budget
     ddp_step, compute, budget = 1.954, 0.24, 45.0
@@ -404,7 +404,7 @@ def test_an_auto_row_that_chose_diloco_is_written_as_json_and_says_its_h():
     from _e2e_report import _mode
     from _e2e_rows import jsonable
 
-    from bagua_algos._recommend import choose
+    from bagua_algos.tuning.recommend import choose
 
     name, kwargs, _, _ = choose(10, 0, 4, 5.76e6, compute_s=0.29)
     assert name == "diloco"

@@ -148,13 +148,13 @@ def bagua_spec(row: str, procs_per_host: int, *, warmup: int = 2,
 def sync_every_for(ddp_step_s: float, compute_s: float, budget_s: float, *,
                    overhead: float = 0.1, min_syncs: int = 8, bytes_scale: float = 1.0) -> int:
     """``sync_every`` for the workload, by the rule ``recommend`` uses
-    (``bagua_algos._recommend.diloco_sync_every``): one sync costs about what DDP's allreduce
+    (``bagua_algos.tuning.recommend.diloco_sync_every``): one sync costs about what DDP's allreduce
     costs in a step (``ddp_step_s - compute_s``: the same bytes, once; ``bytes_scale`` of it
     for a compressed outer gradient); spread over H local steps it should add at most
     ``overhead`` (10%) to their compute, so H >= comm / (overhead x compute), capped so that
     the row's time budget (``budget_s / compute_s`` steps) holds at least ``min_syncs``
     syncs, within [2, 512]."""
-    from bagua_algos._recommend import diloco_sync_every
+    from bagua_algos.tuning.recommend import diloco_sync_every
 
     comm = max(0.0, ddp_step_s - compute_s) * bytes_scale
     return diloco_sync_every(comm, compute_s, overhead,

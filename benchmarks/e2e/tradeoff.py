@@ -41,7 +41,7 @@ def auto_pick(bw, lat, world: int, model_bytes: float, compute_s: float,
     """The e2e row the automatic choice runs in a cell (None: bagua_algos not importable);
     ``total_steps``: the rows' budget in steps, as the ``auto`` row tells ``recommend``."""
     try:
-        from bagua_algos._recommend import choose
+        from bagua_algos.tuning.recommend import choose
     except ImportError:
         return None
     name = choose(bw or 100_000, lat, world, model_bytes, compute_s=compute_s,

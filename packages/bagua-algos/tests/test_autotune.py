@@ -14,8 +14,8 @@ from _common import BATCH
 
 import bagua_comm as bc
 from bagua_algos import GradientAllReduce, with_bagua
-from bagua_algos._autotune import resolve_options
-from bagua_algos._autotune_search import Search, log_spaced_sizes
+from bagua_algos.tuning.autotune import resolve_options
+from bagua_algos.tuning.search import Search, log_spaced_sizes
 from bagua_comm.testing import run_ranks
 
 SIZES = log_spaced_sizes(2 ** 12, 2 ** 27)

@@ -8,7 +8,7 @@ from _common import batch, loss_fn, make_model
 
 import bagua_comm as bc
 from bagua_algos import ByteGrad, Decentralized, GradientAllReduce, with_bagua
-from bagua_algos._consistency import describe
+from bagua_algos._engine.consistency import describe
 from bagua_comm.compression import MinMaxUInt8
 from bagua_comm.testing import run_ranks
 

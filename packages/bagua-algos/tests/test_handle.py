@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import bagua_comm as bc
-from bagua_algos._comm import Runner
+from bagua_algos._engine.comm import Runner
 from bagua_comm.testing import run_ranks
 
 TIMEOUT = 30

@@ -12,7 +12,7 @@ import torch
 
 import bagua_comm as bc
 from bagua_algos import ByteGrad, recommend, with_bagua
-from bagua_algos._recommend import NetworkMeasurement, choose
+from bagua_algos.tuning.recommend import NetworkMeasurement, choose
 from bagua_comm.testing import run_ranks
 
 MB = 13.2e6  # a 3.3M-parameter model's float32 gradients (the trade-off map's workload)
@@ -135,7 +135,7 @@ def test_bagua_algorithm_overrules_auto():
 
 
 def test_slow_start_after_idle_is_named_only_on_a_far_link():
-    from bagua_algos._recommend import SLOW_START_WARN_MS, slow_start_note
+    from bagua_algos.tuning.recommend import SLOW_START_WARN_MS, slow_start_note
 
     def m(lat, ssai):
         return NetworkMeasurement(100.0, lat, 4, 4, 0.0, tcp_slow_start_after_idle=ssai)
@@ -148,7 +148,7 @@ def test_slow_start_after_idle_is_named_only_on_a_far_link():
 
 
 def test_measurement_time_limit_is_checked():
-    from bagua_algos._recommend import measure_network
+    from bagua_algos.tuning.recommend import measure_network
 
     with pytest.raises(ValueError, match="time_limit_s"):
         measure_network(time_limit_s=0)
@@ -157,7 +157,7 @@ def test_measurement_time_limit_is_checked():
 
 # -- bucket size under latency ---------------------------------------------------------------
 def test_bucket_size_grows_with_latency_only_where_each_bucket_pays_it():
-    from bagua_algos._recommend import bucket_size_for
+    from bagua_algos.tuning.recommend import bucket_size_for
 
     big = 400e6
     # ByteGrad, 4 nodes, 100 Mbit/s, 50 ms: 4 one-way latencies per bucket (0.2 s) must be at
@@ -180,7 +180,7 @@ def test_bucket_size_grows_with_latency_only_where_each_bucket_pays_it():
 
 
 def _auto_far(bucket_size):
-    import bagua_algos._recommend as rec
+    import bagua_algos.tuning.recommend as rec
 
     world = bc.get_world_size()
     # The network the ranks would measure on a far, slow link (no latency on loopback).
@@ -194,7 +194,7 @@ def _auto_far(bucket_size):
 
 @pytest.mark.timeout(300)
 def test_auto_takes_the_recommended_bucket_size_unless_one_is_given():
-    from bagua_algos._recommend import bucket_size_for
+    from bagua_algos.tuning.recommend import bucket_size_for
 
     nbytes = 16 * (512 * 512 + 512) * 4
     a, b = run_ranks(_auto_far, 2, args=(None,), timeout=200)
@@ -216,7 +216,11 @@ def test_negligible_communication_keeps_the_exact_allreduce():
 
 
 def test_with_the_computation_known_communicating_rarely_is_a_candidate():
-    from bagua_algos._recommend import CODEC_S_PER_BYTE, diloco_steps_factor, diloco_sync_every
+    from bagua_algos.tuning.recommend import (
+        CODEC_S_PER_BYTE,
+        diloco_steps_factor,
+        diloco_sync_every,
+    )
     from bagua_comm.compression import MinMaxUInt4
 
     # The map's 10 Mbit/s cell: 4 hosts, a 5.8 MB model, 0.29 s of compute per step.
@@ -241,7 +245,7 @@ def test_with_the_computation_known_communicating_rarely_is_a_candidate():
 
 
 def test_a_known_run_length_caps_sync_every_so_the_run_holds_eight_syncs():
-    from bagua_algos._recommend import diloco_sync_every
+    from bagua_algos.tuning.recommend import diloco_sync_every
 
     ring = 1.5 * 5.76e6 / (10e6 / 8)          # 6.9 s of allreduce against 0.29 s of compute
     free = diloco_sync_every(ring, 0.29)

@@ -16,7 +16,7 @@ import torch
 
 import bagua_comm as bc
 from bagua_algos import GradientAllReduce, with_bagua
-from bagua_algos._sparse import allreduce_sparse
+from bagua_algos._engine.sparse import allreduce_sparse
 from bagua_comm.testing import run_ranks
 
 

@@ -12,7 +12,6 @@ torch DDP users keep DDP and add our compressed allreduce as its communication h
     ddp_model.register_comm_hook(CompressionHookState(), compressed_allreduce_hook)
 """
 
-from ._recommend import recommend
 from ._version import __version__
 from .algorithm import Algorithm, AlgorithmImpl
 from .algorithms import (
@@ -30,6 +29,7 @@ from .algorithms import (
 )
 from .ddp_hooks import CompressionHookState, compressed_allreduce_hook
 from .module import BaguaModule, with_bagua
+from .tuning.recommend import recommend
 
 __all__ = [
     "Algorithm", "AlgorithmImpl", "AsyncModelAverage", "BaguaModule", "ByteGrad",

@@ -35,7 +35,7 @@ import torch
 import bagua_comm as bc
 
 if TYPE_CHECKING:
-    from ._bucket import BaguaBucket
+    from ._engine.bucket import BaguaBucket
 
 _REGISTRY: dict[str, type[Algorithm]] = {}
 FIRST_BUCKET_SIZE = 1024 * 1024

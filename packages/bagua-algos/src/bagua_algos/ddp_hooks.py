@@ -43,8 +43,8 @@ import torch.distributed as dist
 
 import bagua_comm as bc
 
-from ._checks import check_bool
-from ._compression import check_chunks, check_compressor, make_compressor
+from ._engine.checks import check_bool
+from .algorithms._shared import check_chunks, check_compressor, make_compressor
 
 __all__ = ["CompressionHookState", "compressed_allreduce_hook"]
 

@@ -13,15 +13,16 @@ from torch.autograd import Variable
 
 import bagua_comm as bc
 
-from . import _autotune, _consistency
-from ._bucket import BaguaBucket
-from ._checks import check_bucket_size, check_model
-from ._comm import broadcast_tensors
-from ._compiled import eager as _eager
-from ._compiled import uncompiled as _uncompiled
-from ._join import check_joinable, early_termination, final_sync, join_round, shadow_step
-from ._sparse import allreduce_sparse, sparse_parameters
+from ._engine import consistency as _consistency
+from ._engine.bucket import BaguaBucket
+from ._engine.checks import check_bucket_size, check_model
+from ._engine.comm import broadcast_tensors
+from ._engine.compiled import eager as _eager
+from ._engine.compiled import uncompiled as _uncompiled
+from ._engine.join import check_joinable, early_termination, final_sync, join_round, shadow_step
+from ._engine.sparse import allreduce_sparse, sparse_parameters
 from .algorithm import Algorithm, AlgorithmImpl, BaguaContext
+from .tuning import autotune as _autotune
 
 DEFAULT_BUCKET_SIZE = 10 * 1024 * 1024
 _STATE_KEY = "bagua_algos"
@@ -72,7 +73,7 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
             raise ValueError(f"optimizers[{i}] must be a torch.optim.Optimizer, got "
                              f"{type(opt).__name__}")
     if isinstance(algorithm, str) and algorithm == "auto":  # measure the network, choose
-        from ._recommend import resolve_algorithm
+        from .tuning.recommend import resolve_algorithm
         rec = resolve_algorithm(algorithm, model, group)
         algorithm = rec.algorithm
         if rec.bucket_size and not bucket_given:   # the same on every rank (broadcast)
@@ -196,7 +197,7 @@ class BaguaModule(torch.nn.Module):
                                              first=self._first_layout))
         self.impl.init_operations(self.ctx, self.buckets)
         self._register_hooks()
-        # autotuning (bagua_algos._autotune): collective, after the buckets exist
+        # autotuning (bagua_algos.tuning.autotune): collective, after the buckets exist
         self._autotuner = _autotune.Autotuner(self, autotune) if autotune else None
 
     def _bucketed(self, tensors) -> list[torch.Tensor]:

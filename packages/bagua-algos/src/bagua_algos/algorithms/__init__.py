@@ -1,10 +1,12 @@
 """The algorithms, one module each.
 
 Each module defines a user-facing :class:`~bagua_algos.Algorithm` subclass (registered under its
-name for ``Algorithm.init``) and the :class:`~bagua_algos.AlgorithmImpl` that runs it. They share
-the wrapper's machinery one level up: ``module.py`` (``with_bagua``), ``_bucket.py`` (buckets),
-``_comm.py`` (the reducer), ``_compression.py``, ``_state.py`` (checkpointed state) and
-``_autotune.py``. A new algorithm is a new module here plus one line in this file.
+name for ``Algorithm.init``) and the :class:`~bagua_algos.AlgorithmImpl` that runs it. They build on the
+engine's pieces one level up (``_engine/``: buckets, the reducer and handles in ``comm``,
+per-parameter checkpointed state in ``state``, overflow handling, argument checks) and on
+``_shared.py`` here (the compressed allreduce and its error-feedback state, ``trainable()``).
+No algorithm module imports another (an import-linter contract). A new algorithm is a new
+module here plus one line in this file.
 """
 
 from .async_model_average import AsyncModelAverage

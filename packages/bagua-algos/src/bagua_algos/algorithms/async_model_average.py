@@ -10,8 +10,8 @@ import torch
 
 import bagua_comm as bc
 
-from .._comm import Reducer
-from .._state import export_flat, import_flat
+from .._engine.comm import Reducer
+from .._engine.state import export_flat, import_flat
 from ..algorithm import Algorithm, AlgorithmImpl
 
 

@@ -3,9 +3,9 @@ scatter-reduce-gather), hierarchical by default, with optional error feedback.""
 
 from __future__ import annotations
 
-from .._checks import check_bool
-from .._compression import CompressedAllReduce, check_compressor, reset_residuals_note
+from .._engine.checks import check_bool
 from ..algorithm import Algorithm, AlgorithmImpl
+from ._shared import CompressedAllReduce, check_compressor, reset_residuals_note
 
 
 class ByteGrad(Algorithm, name="bytegrad"):

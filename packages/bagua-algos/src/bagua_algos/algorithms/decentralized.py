@@ -7,8 +7,8 @@ import torch
 
 import bagua_comm as bc
 
-from .._checks import check_bool, check_interval
-from .._comm import Reducer
+from .._engine.checks import check_bool, check_interval
+from .._engine.comm import Reducer
 from ..algorithm import Algorithm, AlgorithmImpl
 
 PEER_SELECTION_MODES = ("all", "shift_one")

@@ -26,11 +26,11 @@ import torch
 
 import bagua_comm as bc
 
-from .._checks import check_bool, check_int_at_least
-from .._comm import Handle, Reducer
-from .._compression import check_chunks, check_compressor
-from .._overflow import all_finite
+from .._engine.checks import check_bool, check_int_at_least
+from .._engine.comm import Handle, Reducer
+from .._engine.overflow import all_finite
 from ..algorithm import Algorithm, AlgorithmImpl
+from ._shared import check_chunks, check_compressor
 
 
 def _check_number(name, value, low, high=None, *, low_open=False):

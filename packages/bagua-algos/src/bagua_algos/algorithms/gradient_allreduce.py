@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bagua_comm as bc
 
-from .._comm import Reducer, prepare_hierarchy
+from .._engine.comm import Reducer, prepare_hierarchy
 from ..algorithm import Algorithm, AlgorithmImpl
 
 

@@ -7,12 +7,12 @@ import torch
 
 import bagua_comm as bc
 
-from .._checks import check_bool, check_interval
-from .._comm import Reducer
-from .._compression import alignment, check_compressor, decode_add, make_compressor
-from .._overflow import all_finite
-from .._state import export_flat, import_flat
+from .._engine.checks import check_bool, check_interval
+from .._engine.comm import Reducer
+from .._engine.overflow import all_finite
+from .._engine.state import export_flat, import_flat
 from ..algorithm import Algorithm, AlgorithmImpl
+from ._shared import alignment, check_compressor, decode_add, make_compressor
 
 
 class LowPrecisionDecentralized(Algorithm, name="low_precision_decentralized"):

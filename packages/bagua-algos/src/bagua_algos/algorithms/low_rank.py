@@ -10,11 +10,11 @@ import torch
 
 import bagua_comm as bc
 
-from .._checks import check_bool, check_int_at_least
-from .._comm import Reducer
-from .._compression import check_chunks, check_compressor, check_no_error_feedback
-from .._overflow import Scratch
+from .._engine.checks import check_bool, check_int_at_least
+from .._engine.comm import Reducer
+from .._engine.overflow import Scratch
 from ..algorithm import Algorithm, AlgorithmImpl
+from ._shared import check_chunks, check_compressor, check_no_error_feedback
 
 
 class LowRank(Algorithm, name="low_rank"):

@@ -9,10 +9,10 @@ import torch
 
 import bagua_comm as bc
 
-from .._checks import check_bool
-from .._compression import CompressedAllReduce, check_compressor, reset_residuals_note
-from .._overflow import all_finite
+from .._engine.checks import check_bool
+from .._engine.overflow import all_finite
 from ..algorithm import Algorithm, AlgorithmImpl
+from ._shared import CompressedAllReduce, check_compressor, reset_residuals_note
 
 
 class QAdamOptimizer(torch.optim.Optimizer):

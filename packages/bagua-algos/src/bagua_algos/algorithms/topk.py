@@ -9,12 +9,12 @@ import torch
 
 import bagua_comm as bc
 
-from .._checks import check_bool, check_int_at_least
-from .._comm import Reducer
-from .._compression import check_compressor, check_no_error_feedback
-from .._overflow import Scratch, keep_if_finite
-from .._state import export_flat, import_flat
+from .._engine.checks import check_bool, check_int_at_least
+from .._engine.comm import Reducer
+from .._engine.overflow import Scratch, keep_if_finite
+from .._engine.state import export_flat, import_flat
 from ..algorithm import Algorithm, AlgorithmImpl
+from ._shared import check_compressor, check_no_error_feedback
 
 
 def check_density(density) -> float:

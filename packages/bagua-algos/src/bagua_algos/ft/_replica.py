@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import bagua_comm as bc
 
-from .._consistency import configuration
+from .._engine.consistency import configuration
 from ..algorithm import Algorithm
 from ..module import _STATE_KEY, BaguaModule, with_bagua
 from ._data import CommittedBatches

@@ -20,7 +20,7 @@ import torch
 
 import bagua_comm as bc
 
-from .._comm import broadcast_tensors
+from .._engine.comm import broadcast_tensors
 
 
 def authenticate(group: bc.ProcessGroup, secret: bytes) -> None:

@@ -20,8 +20,8 @@ import torch
 import bagua_comm as bc
 from bagua_comm._compressed import padded_numel
 
-from ._comm import Reducer
-from ._state import export_flat, import_flat
+from .._engine.comm import Reducer
+from .._engine.state import export_flat, import_flat
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._bucket import BaguaBucket
+from .bucket import BaguaBucket
 
 
 def export_flat(buckets: Sequence[BaguaBucket], buffers: Sequence[torch.Tensor | None], *,

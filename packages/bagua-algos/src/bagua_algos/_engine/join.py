@@ -19,9 +19,9 @@ import torch
 
 import bagua_comm as bc
 
-from ._checks import check_bool
-from ._comm import broadcast_tensors
-from ._sparse import allreduce_sparse
+from .checks import check_bool
+from .comm import broadcast_tensors
+from .sparse import allreduce_sparse
 
 
 def check_joinable(module, divide_by_initial_world_size, enable, throw) -> None:

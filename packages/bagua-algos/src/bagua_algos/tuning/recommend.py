@@ -367,7 +367,7 @@ def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None
     ``BAGUA_ALGORITHM=<registry name>`` overrules it: no
     measurement, that algorithm.
     """
-    from .algorithm import Algorithm
+    from ..algorithm import Algorithm
 
     if model is None and model_bytes is None:
         raise ValueError("recommend needs model (a torch.nn.Module) or model_bytes")

@@ -4,7 +4,7 @@ No server, no port, no thread: the tuner runs inside the module's forward-pre ho
 rank times its training steps (forward-pre to forward-pre); at the end of each trial the
 per-step times are reduced across ranks (MAX, so a step counts as long as its slowest rank)
 on a process group of the tuner's own, and every rank feeds the same reduced score to the same
-deterministic search (:mod:`._autotune_search`).  So every rank applies the same configuration
+deterministic search (:mod:`.search`).  So every rank applies the same configuration
 at the same step, and never runs a step on a configuration another rank does not.
 
 Knobs are those that leave the algorithm's maths unchanged: the bucket size (every
@@ -29,11 +29,11 @@ import torch
 
 import bagua_comm as bc
 
-from ._autotune_search import Search, log_spaced_sizes
-from ._checks import check_bucket_size
+from .._engine.checks import check_bucket_size
+from .search import Search, log_spaced_sizes
 
 if TYPE_CHECKING:
-    from .module import BaguaModule
+    from ..module import BaguaModule
 
 logger = logging.getLogger("bagua_algos.autotune")
 
