@@ -140,7 +140,7 @@ def _contract():
     out["after"] = eval_loss(model, world)
     out["before"] = before
     out["trained"] = params(model)
-    out["hooks"] = len(model._hooks)
+    out["hooks"] = len(model.engine.hooks)
     # Overlap: buckets launch in order while backward still runs (first layer not done),
     # from the second backward on (the first launches at its end: it learns how many times
     # each gradient accumulates, as DDP's static_graph, and the bucket order)

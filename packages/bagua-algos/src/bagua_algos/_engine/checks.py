@@ -64,3 +64,41 @@ def check_model(model, algorithm) -> None:
                 f"model: parameters {names[:4]}{' ...' if len(names) > 4 else ''} are "
                 f"{', '.join(dtypes)}; {owner} quantises float32, float16 or bfloat16 tensors "
                 f"only. Cast the model (model.float()) or use GradientAllReduce")
+
+
+def sparse_gradient_error(name: str, algorithm) -> ValueError:
+    """Parameter ``name`` got a sparse gradient, which ``algorithm``'s dense buckets cannot
+    take (raised in backward, on the rank that got it)."""
+    owner = type(algorithm).__name__
+    how = ("make it dense (e.g. Embedding(sparse=False)), or compute it through an "
+           "nn.Embedding/EmbeddingBag(sparse=True) module, whose gradients "
+           f"{owner} averages sparsely"
+           if algorithm.sparse_allreduce else
+           "make it dense (e.g. Embedding(sparse=False))")
+    return ValueError(f"parameter {name!r} got a sparse gradient; {owner} reduces gradients "
+                      f"in dense buckets: {how}")
+
+
+def dtype_changed_error(bucket, name_of) -> RuntimeError | None:
+    """The error to raise when a bucket's parameters changed dtype or device after the
+    wrap (``model.double()``, ``model.to(...)``), else None; ``name_of(p)`` names them."""
+    for p in bucket.params:
+        if p.dtype != bucket.dtype or p.device != bucket.device:
+            return RuntimeError(
+                f"parameter {name_of(p)!r} is {p.dtype} on {p.device} but was "
+                f"{bucket.dtype} on {bucket.device} at with_bagua: changing parameters' "
+                f"dtype or device after with_bagua (model.to(), .double(), .half()) is not "
+                f"supported; cast or move the model before wrapping it")
+    return None
+
+
+def late_accumulation_error(name: str, n: int, expected: int) -> RuntimeError:
+    """Parameter ``name`` got its ``n``-th gradient accumulation of a backward after its
+    bucket had started (earlier backwards accumulated it at most ``expected`` times)."""
+    return RuntimeError(
+        f"parameter {name!r} received gradient accumulation {n} in "
+        f"this backward after its bucket's communication had started (earlier backwards "
+        f"accumulated it at most {expected} times, e.g. a block used in more reentrant-"
+        f"checkpointed segments than before): its averaged gradient would be wrong. Use "
+        f"torch.utils.checkpoint(..., use_reentrant=False), or use it as many times in "
+        f"the first backward as in any later one; this rank's next backward waits for {n}")

@@ -96,3 +96,16 @@ def check_same_on_every_rank(config: dict[str, str], group: bc.ProcessGroup) -> 
                      "but they differ:\n" + "\n".join(lines)
                      + "\n(check the code path and environment variables, such as "
                        "BAGUA_AUTOTUNE, of the ranks named)")
+
+
+def check_same_bucket_size(bucket_size: int, group: bc.ProcessGroup) -> None:
+    """Collective: ``ValueError`` on every rank when ranks passed different ``bucket_size``
+    values to ``rebucket()`` (a size that differs would hang later)."""
+    if group.size == 1:
+        return
+    sizes = torch.tensor([bucket_size, -bucket_size], dtype=torch.int64)
+    bc.allreduce_inplace(sizes, bc.ReduceOp.MAX, group=group)
+    if int(sizes[0]) != -int(sizes[1]):
+        raise ValueError(f"rebucket() got different bucket_size values on different "
+                         f"ranks (from {-int(sizes[1])} to {int(sizes[0])}); call it "
+                         "with the same value on every rank")

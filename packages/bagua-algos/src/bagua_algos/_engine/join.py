@@ -21,21 +21,21 @@ import bagua_comm as bc
 
 from .checks import check_bool
 from .comm import broadcast_tensors
-from .sparse import allreduce_sparse
 
 
-def check_joinable(module, divide_by_initial_world_size, enable, throw) -> None:
-    """``ValueError`` naming the rule, on the calling rank before any communication."""
+def check_joinable(algo, autotuning: bool, divide_by_initial_world_size, enable,
+                   throw) -> None:
+    """``ValueError`` naming the rule, on the calling rank before any communication:
+    ``algo`` is the wrapped model's algorithm, ``autotuning`` whether it has a tuner."""
     check_bool("divide_by_initial_world_size", divide_by_initial_world_size)
     check_bool("enable", enable)
     check_bool("throw_on_early_termination", throw)
-    algo = module.algorithm
     if not getattr(algo, "joinable", False):
         raise ValueError(f"join() shadows GradientAllReduce's collectives; "
                          f"{type(algo).__name__} keeps per-rank state (residuals, momenta, "
                          f"peer exchanges) that a rank without data cannot shadow. Give every "
                          f"rank the same number of batches (DistributedSampler(drop_last=True))")
-    if module._autotuner is not None:
+    if autotuning:
         raise ValueError("join() with autotune: the tuner's collectives follow the active "
                          "ranks' steps; autotune first, then train with join() without it")
     if not divide_by_initial_world_size:
@@ -69,43 +69,42 @@ def early_termination(group: bc.ProcessGroup) -> RuntimeError:
                         "throw_on_early_termination=True stops every rank")
 
 
-def shadow_step(module, src: int, buffers: bool = True, step: bool = True,
+def shadow_step(engine, src: int, buffers: bool = True, step: bool = True,
                 order: int = -1) -> None:
     """One forward's collectives, in the order an active rank issues them, with no data:
     the buffer broadcast (``buffers``) and a synchronised step's (``step``); ``src``: the
     highest rank with data, whose buffers every rank takes; ``order``: the rank whose bucket
-    order every rank takes now (-1: none)."""
-    m = module
-    m._start_step(src, buffers, step, order)   # forward: as an active rank after the count
-    if not step:
-        return
-    # backward: every bucket in index order, zero gradient; "got a gradient" flags as this
-    # rank's last synchronised backward set them (all, before any), as DDP's joined rank
-    handles = []
-    carried = m.impl.carries_unused_flags(m.ctx)
-    for b in m.buckets:
-        b.grad_and_flags.zero_()
-        if b.flags is not None and carried:
-            m._shadow_flags(b.flags)
-        handles.append(m._start_bucket(b))
-    for h in handles:
-        if h is not None:
-            h.wait()
-    if m.buckets and not carried:       # the active ranks' own flag collective
-        flags = m._shadow_flags(torch.empty(len(m._slotted), dtype=torch.uint8))
-        bc.allreduce_inplace(flags, bc.ReduceOp.MAX, group=m.group)
-    for p in m._sparse:
-        allreduce_sparse(None, p, m.group, m._sparse_average)
-    m.impl.post_backward_hook(m.ctx)
+    order every rank takes now (-1: none).  ``engine``: the
+    :class:`~bagua_algos._engine.engine.StepEngine`."""
+    engine.start_step(src, buffers, step, order)   # forward: as an active rank after the count
+    if step:
+        engine.shadow_backward()
 
 
-def final_sync(module, last_joiner: bool) -> None:
+def shadow_until_done(engine, throw: bool) -> None:
+    """After this rank's loop ended inside ``join()``: shadow the other ranks' forwards until
+    every rank's loop has ended (``throw``: raise as soon as one ran out instead), then take
+    the model of the highest rank among the last to finish (collective)."""
+    last = True                           # reached only when the loop ended normally
+    while True:
+        ranks, (buffers, step), order = join_round(engine.group, False,
+                                                   order=engine.order_due)
+        if not ranks:
+            break
+        if throw:
+            raise early_termination(engine.group)
+        shadow_step(engine, ranks[-1], buffers, step, order)
+        last = False
+    final_sync(engine, last)
+
+
+def final_sync(engine, last_joiner: bool) -> None:
     """Every rank takes the parameters and buffers of the highest rank among the last to
     run out of data (collective)."""
-    g = module.group
+    g = engine.group
     t = torch.tensor([g.rank if last_joiner else -1], dtype=torch.int64)
     bc.allreduce_inplace(t, bc.ReduceOp.MAX, group=g)
     src = int(t.item())
-    mod = module.ctx.module
+    mod = engine.ctx.module
     broadcast_tensors(list(dict.fromkeys(mod.parameters())) + list(dict.fromkeys(mod.buffers())),
                       g, src)

@@ -24,9 +24,10 @@ import torch.distributed as dist
 
 import bagua_comm as bc
 
+from .._engine.checkpoint import STATE_KEY as _STATE_KEY
 from .._engine.consistency import configuration
 from ..algorithm import Algorithm
-from ..module import _STATE_KEY, BaguaModule, with_bagua
+from ..module import BaguaModule, with_bagua
 from ._data import CommittedBatches
 from ._group import bagua_group, reconfigurable_gloo, release
 from ._source import authenticate, choose_source, share
@@ -302,7 +303,7 @@ class FaultTolerant:
         return Step(self)
 
     def _start(self, step: Step) -> None:
-        if self.model is not None and (self.model._cb_queued or self.model._handles):
+        if self.model is not None and self.model.engine.busy:
             self._dirty = True       # a step abandoned mid-backward
         import time
         for attempt in range(1, _REBUILD_ATTEMPTS + 1):
