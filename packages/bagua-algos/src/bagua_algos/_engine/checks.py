@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import math
+
 
 def check_bool(name: str, value) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
-def check_int_at_least(name: str, value, minimum: int) -> None:
+def check_int_at_least(name: str, value, minimum: int, why: str = "") -> None:
+    """An int (not a bool) >= ``minimum``; ``why`` is said in brackets after the rule."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        note = f" ({why})" if why else ""
+        raise ValueError(f"{name} must be an int >= {minimum}{note}, got {value!r}")
+
+
+def check_number(name: str, value, rule: str, ok, *, finite: bool = False) -> None:
+    """A real number (int or float, not a bool; ``finite``: not inf or nan) for which
+    ``ok(value)`` holds, else ``ValueError`` "``name`` must be a [finite] number ``rule``"."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (finite and not math.isfinite(value)) or not ok(value)):
+        kind = "a finite number" if finite else "a number"
+        raise ValueError(f"{name} must be {kind} {rule}, got {value!r}")
 
 
 def check_interval(value) -> None:

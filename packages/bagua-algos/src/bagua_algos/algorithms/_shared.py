@@ -26,6 +26,17 @@ from .._engine.state import export_flat, import_flat
 log = logging.getLogger(__name__)
 
 
+def trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of every parameter that requires grad, once each, in registration
+    order."""
+    seen, out = set(), []
+    for name, p in module.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
 def check_compressor(compressor) -> None:
     """``None`` (MinMaxUInt8) or a ``bagua_comm.compression.Compressor``."""
     from bagua_comm.compression import Compressor

@@ -10,6 +10,7 @@ import torch
 
 import bagua_comm as bc
 
+from .._engine.checks import check_int_at_least, check_number
 from .._engine.comm import Reducer
 from .._engine.state import export_flat, import_flat
 from ..algorithm import Algorithm, AlgorithmImpl
@@ -34,11 +35,8 @@ class AsyncModelAverage(Algorithm, name="async"):
         if peer_selection_mode != "all":
             raise ValueError(f"AsyncModelAverage supports peer_selection_mode='all' only, got "
                              f"{peer_selection_mode!r}")
-        if isinstance(sync_interval_ms, bool) or not isinstance(sync_interval_ms, (int, float)) \
-                or sync_interval_ms < 0:
-            raise ValueError(f"sync_interval_ms must be a number >= 0, got {sync_interval_ms!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        check_number("sync_interval_ms", sync_interval_ms, ">= 0", lambda v: not v < 0)
+        check_int_at_least("warmup_steps", warmup_steps, 0)
         self.peer_selection_mode = peer_selection_mode
         self.sync_interval_ms = sync_interval_ms
         self.warmup_steps = warmup_steps

@@ -26,30 +26,11 @@ import torch
 
 import bagua_comm as bc
 
-from .._engine.checks import check_bool, check_int_at_least
+from .._engine.checks import check_bool, check_int_at_least, check_number
 from .._engine.comm import Handle, Reducer
 from .._engine.overflow import all_finite
 from ..algorithm import Algorithm, AlgorithmImpl
-from ._shared import check_chunks, check_compressor
-
-
-def _check_number(name, value, low, high=None, *, low_open=False):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and (value > low if low_open else value >= low) and (high is None or value < high)
-    if not ok:
-        rule = f"{'>' if low_open else '>='} {low}" + (f" and < {high}" if high is not None else "")
-        raise ValueError(f"{name} must be a number {rule}, got {value!r}")
-
-
-def trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """(name, parameter) of every parameter that requires grad, once each, in registration
-    order."""
-    seen, out = set(), []
-    for name, p in module.named_parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            out.append((name, p))
-    return out
+from ._shared import check_chunks, check_compressor, trainable
 
 
 def fragment_bounds(numel: int, fragments: int) -> list[tuple[int, int]]:
@@ -85,8 +66,8 @@ class DiLoCo(Algorithm, name="diloco"):
                  nesterov: bool = True, fragments: int = 1, overlap_steps: int = 0,
                  compressor=None, hierarchical: bool = False, *, anchor_device=None):
         check_int_at_least("sync_every", sync_every, 1)
-        _check_number("outer_lr", outer_lr, 0, math.inf, low_open=True)
-        _check_number("outer_momentum", outer_momentum, 0, 1)
+        check_number("outer_lr", outer_lr, "> 0 and < inf", lambda v: 0 < v < math.inf)
+        check_number("outer_momentum", outer_momentum, ">= 0 and < 1", lambda v: 0 <= v < 1)
         check_bool("nesterov", nesterov)
         if nesterov and outer_momentum == 0:
             raise ValueError("nesterov=True needs outer_momentum > 0 (as torch.optim.SGD)")

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import bagua_comm as bc
 
+from .._engine.checks import check_bool
 from .._engine.comm import Reducer, prepare_hierarchy
 from ..algorithm import Algorithm, AlgorithmImpl
-
-
-def _check_bool(name, value):
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 class GradientAllReduce(Algorithm, name="gradient_allreduce"):
@@ -28,8 +24,8 @@ class GradientAllReduce(Algorithm, name="gradient_allreduce"):
     joinable = True
 
     def __init__(self, hierarchical: bool = False, average: bool = True):
-        _check_bool("hierarchical", hierarchical)
-        _check_bool("average", average)
+        check_bool("hierarchical", hierarchical)
+        check_bool("average", average)
         self.hierarchical = hierarchical
         self.average = average
 

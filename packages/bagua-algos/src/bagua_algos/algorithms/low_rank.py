@@ -3,14 +3,13 @@ feedback and warm start; its state is keyed by parameter name."""
 
 from __future__ import annotations
 
-import math
 import zlib
 
 import torch
 
 import bagua_comm as bc
 
-from .._engine.checks import check_bool, check_int_at_least
+from .._engine.checks import check_bool, check_int_at_least, check_number
 from .._engine.comm import Reducer
 from .._engine.overflow import Scratch
 from ..algorithm import Algorithm, AlgorithmImpl
@@ -56,12 +55,8 @@ class LowRank(Algorithm, name="low_rank"):
         check_int_at_least("rank", rank, 1)
         check_bool("warm_start", warm_start)
         check_bool("average", average)
-        if isinstance(min_compression_rate, bool) or not isinstance(
-                min_compression_rate, (int, float)) or not math.isfinite(
-                min_compression_rate) or min_compression_rate < 0:
-            raise ValueError(f"min_compression_rate must be a finite number >= 0 (compress a "
-                             f"matrix only where it shrinks at least this much), got "
-                             f"{min_compression_rate!r}")
+        check_number("min_compression_rate", min_compression_rate, ">= 0 (compress a matrix "
+                     "only where it shrinks at least this much)", lambda v: v >= 0, finite=True)
         check_int_at_least("seed", seed, 0)
         check_int_at_least("start_step", start_step, 0)
         check_compressor(compressor)

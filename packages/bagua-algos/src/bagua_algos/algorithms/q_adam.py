@@ -9,10 +9,10 @@ import torch
 
 import bagua_comm as bc
 
-from .._engine.checks import check_bool
+from .._engine.checks import check_bool, check_int_at_least
 from .._engine.overflow import all_finite
 from ..algorithm import Algorithm, AlgorithmImpl
-from ._shared import CompressedAllReduce, check_compressor, reset_residuals_note
+from ._shared import CompressedAllReduce, check_compressor, reset_residuals_note, trainable
 
 
 class QAdamOptimizer(torch.optim.Optimizer):
@@ -43,10 +43,8 @@ class QAdamOptimizer(torch.optim.Optimizer):
                  weight_decay: float = 0.0):
         if not lr > 0.0:
             raise ValueError(f"lr must be > 0, got {lr!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) \
-                or warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be an int >= 1 (the second moment is "
-                             f"estimated during warmup), got {warmup_steps!r}")
+        check_int_at_least("warmup_steps", warmup_steps, 1,
+                           "the second moment is estimated during warmup")
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
         if not eps >= 0.0:
@@ -160,8 +158,6 @@ class QAdam(Algorithm, name="qadam"):
         """QAdam averages its QAdamOptimizer's parameters only (their gradients in warmup,
         their momenta after it): a trainable parameter outside it would train apart on every
         rank, and one of another model would never be averaged."""
-        from .diloco import trainable
-
         own = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         missing = [name for name, p in trainable(module) if id(p) not in own]
         if missing:

@@ -9,7 +9,7 @@ import torch
 
 import bagua_comm as bc
 
-from .._engine.checks import check_bool, check_int_at_least
+from .._engine.checks import check_bool, check_int_at_least, check_number
 from .._engine.comm import Reducer
 from .._engine.overflow import Scratch, keep_if_finite
 from .._engine.state import export_flat, import_flat
@@ -18,10 +18,8 @@ from ._shared import check_compressor, check_no_error_feedback
 
 
 def check_density(density) -> float:
-    if isinstance(density, bool) or not isinstance(density, (int, float)) \
-            or not math.isfinite(density) or not 0 < density <= 1:
-        raise ValueError(f"density must be a number in (0, 1] (the fraction of gradient "
-                         f"entries each rank sends, e.g. 0.01), got {density!r}")
+    check_number("density", density, "in (0, 1] (the fraction of gradient entries each rank "
+                 "sends, e.g. 0.01)", lambda d: 0 < d <= 1)
     return float(density)
 
 
@@ -70,10 +68,8 @@ class TopK(Algorithm, name="topk"):
                  average: bool = True, compressor=None, start_step: int = 0,
                  momentum: float = 0.0):
         self.density = check_density(density)
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
-                or not 0 <= momentum < 1:
-            raise ValueError(f"momentum must be a number in [0, 1) (DGC's momentum correction; "
-                             f"0 turns it off), got {momentum!r}")
+        check_number("momentum", momentum, "in [0, 1) (DGC's momentum correction; 0 turns it "
+                     "off)", lambda m: 0 <= m < 1)
         check_bool("hierarchical", hierarchical)
         check_bool("average", average)
         check_int_at_least("start_step", start_step, 0)
