@@ -18,7 +18,7 @@ import torch
 from bagua_comm._backends import nccl as backend
 from bagua_comm.ops import ReduceOp
 
-CREATED = {"Event": 0, "ExternalStream": 0, "torch ExternalStream": 0}
+CREATED = {"Event": 0, "ExternalStream": 0, "torch ExternalStream": 0, "stream entered": 0}
 
 
 class FakeEvent:
@@ -74,6 +74,9 @@ class FakeComm:
     def allgather(self, s, r, count, dtype, stream):
         ctypes.memmove(r, s, count)       # uint8 payloads in the compressed allreduce
 
+    def broadcast(self, s, r, count, dtype, root, stream):
+        ctypes.memmove(r, s, count * 4)
+
     def send(self, buf, count, dtype, peer, stream):
         self.sent.append((buf, count))
 
@@ -122,7 +125,11 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "ExternalStream", torch_external)
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda device=None: types.SimpleNamespace(cuda_stream=4242))
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    def torch_stream(s):
+        CREATED["stream entered"] += 1
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(torch.cuda, "stream", torch_stream)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
     monkeypatch.setattr(backend.NcclBackend, "_grouped", lambda self, comm, fn: fn())
     for k in CREATED:
@@ -175,3 +182,24 @@ def test_a_recorded_failure_raises_before_launching(fake_cuda):
         work.wait()
     assert launched == [] and watch.observed
     watch.close()
+
+
+def test_a_plain_call_enters_no_stream_context_a_folding_one_does(fake_cuda):
+    """Host time per call: an NCCL call names its stream itself, so only a call that also does
+    local torch work (NCCL has no bitwise reductions: gather, then fold here) makes the
+    communication stream current; the result is the same either way."""
+    be = FakeBackend()
+    x = torch.tensor([6, 3, 5], dtype=torch.int32)
+    for op in (ReduceOp.SUM, ReduceOp.MAX):
+        y = torch.zeros_like(x)
+        be.allreduce(x, y, op, async_op=False)
+        assert torch.equal(y, x)
+    be.broadcast(x, 0, async_op=False)
+    be.allgather(x, torch.zeros_like(x), async_op=False)
+    assert CREATED["stream entered"] == 0
+    b = x.to(torch.uint8)    # the fake allgather copies bytes
+    y = torch.zeros_like(b)
+    be.allreduce(b, y, ReduceOp.BAND, async_op=False)   # one rank: x & nothing else = x
+    assert torch.equal(y, b)
+    assert CREATED["stream entered"] == 1
+    be._state.watch.close()

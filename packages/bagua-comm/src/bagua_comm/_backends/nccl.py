@@ -142,8 +142,12 @@ def _on_device(device):
 class _Launch:
     """One operation on the group's stream: ``with _Launch(be) as L: L.comm.<call>(...)``."""
 
-    def __init__(self, be, *tensors):
+    def __init__(self, be, *tensors, local: bool = True):
         self.state = st = _GroupState.of(be)
+        #: whether the block does local torch/CuPy work (copies, folds, allocations) that must
+        #: go to the communication stream; a plain NCCL call names its stream itself and
+        #: skips entering the two stream contexts (host time on every call)
+        self._local = local
         st.watch.check()            # an earlier failure on this group: raise before launching
         self.comm = st.comm
         self.stream = st.stream
@@ -163,13 +167,14 @@ class _Launch:
         ready.record(caller)
         self.stream.wait_event(ready)
         # Local torch/CuPy work inside the block also goes to the communication stream.
-        self._ctx = (torch.cuda.stream(self._torch_stream), self.stream)
-        for c in self._ctx:
-            c.__enter__()
+        if self._local:
+            self._ctx = (torch.cuda.stream(self._torch_stream), self.stream)
+            for c in self._ctx:
+                c.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for c in reversed(self._ctx):
+        for c in reversed(self._ctx or ()):
             c.__exit__(*exc)
         if exc[0] is not None and issubclass(exc[0], RuntimeError):
             # NCCL failed because the watchdog aborted the communicator meanwhile: say so
@@ -250,24 +255,24 @@ class NcclBackend(Backend):
 
     # -- point to point ------------------------------------------------------------------------
     def send(self, tensor, dst, async_op):
-        with _Launch(self, tensor) as L:
+        with _Launch(self, tensor, local=False) as L:
             L.comm.send(tensor.data_ptr(), tensor.numel(), nccl_dtype(tensor), dst, L.ptr)
         return L.done(async_op)
 
     def recv(self, tensor, src, async_op):
-        with _Launch(self, tensor) as L:
+        with _Launch(self, tensor, local=False) as L:
             L.comm.recv(tensor.data_ptr(), tensor.numel(), nccl_dtype(tensor), src, L.ptr)
         return L.done(async_op)
 
     # -- collectives ---------------------------------------------------------------------------
     def broadcast(self, tensor, src, async_op):
-        with _Launch(self, tensor) as L:
+        with _Launch(self, tensor, local=False) as L:
             L.comm.broadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
                              nccl_dtype(tensor), src, L.ptr)
         return L.done(async_op)
 
     def reduce(self, tensor, dst, op, async_op):
-        with _Launch(self, tensor) as L:
+        with _Launch(self, tensor, local=op in _BITWISE) as L:
             if op in _BITWISE:
                 gathered = self._gather_all(L, tensor)
                 if self.group.rank == dst:
@@ -278,7 +283,7 @@ class NcclBackend(Backend):
         return L.done(async_op)
 
     def allreduce(self, send_, recv_, op, async_op):
-        with _Launch(self, send_, recv_) as L:
+        with _Launch(self, send_, recv_, local=op in _BITWISE) as L:
             if op in _BITWISE:
                 recv_.copy_(self._fold(self._gather_all(L, send_), op))
             else:
@@ -301,13 +306,13 @@ class NcclBackend(Backend):
         return acc
 
     def allgather(self, send_, recv_, async_op):
-        with _Launch(self, send_, recv_) as L:
+        with _Launch(self, send_, recv_, local=False) as L:
             L.comm.allgather(send_.data_ptr(), recv_.data_ptr(), send_.numel(),
                              nccl_dtype(send_), L.ptr)
         return L.done(async_op)
 
     def reduce_scatter(self, send_, recv_, op, async_op):
-        with _Launch(self, send_, recv_) as L:
+        with _Launch(self, send_, recv_, local=op in _BITWISE) as L:
             if op in _BITWISE:
                 n = self.group.size
                 rows = self._gather_all(L, send_).view(n, n, -1)[:, self.group.rank]
@@ -342,7 +347,7 @@ class NcclBackend(Backend):
         self._grouped(L.comm, run)
 
     def send_recv(self, sends, recvs, async_op):
-        with _Launch(self, *(t for _, t in sends), *(t for _, t in recvs)) as L:
+        with _Launch(self, *(t for _, t in sends), *(t for _, t in recvs), local=False) as L:
             self._p2p(L, sends, recvs)
         return L.done(async_op)
 
@@ -367,7 +372,7 @@ class NcclBackend(Backend):
         return L.done(async_op)
 
     def alltoall(self, send_, recv_, async_op):
-        with _Launch(self, send_, recv_) as L:
+        with _Launch(self, send_, recv_, local=False) as L:
             n = self.group.size
             s, r = send_.view(-1).chunk(n), recv_.view(-1).chunk(n)
             self._p2p(L, [(p, s[p]) for p in range(n)], [(p, r[p]) for p in range(n)])
@@ -375,7 +380,7 @@ class NcclBackend(Backend):
 
     def alltoall_v(self, send_, send_counts, send_displs, recv_, recv_counts, recv_displs,
                    async_op):
-        with _Launch(self, send_, recv_) as L:
+        with _Launch(self, send_, recv_, local=False) as L:
             s, r = send_.view(-1), recv_.view(-1)
             self._p2p(L, [(p, s[d:d + c]) for p, (c, d) in enumerate(zip(send_counts, send_displs))],
                       [(p, r[d:d + c]) for p, (c, d) in enumerate(zip(recv_counts, recv_displs))])
