@@ -139,3 +139,23 @@ def _backend_kinds():
 def test_nccl_backend_meets_the_contract():
     n = torch.cuda.device_count()
     assert run_ranks(_contract, n, args=("cuda",), backend="nccl", timeout=300) == [[]] * n
+
+
+def test_the_scratch_pool_keeps_a_working_set_of_many_shapes():
+    """A model whose buckets need 40 distinct scratch shapes gets the same 40 buffers back
+    on every step (the pool once dropped everything at 32 and reallocated each step), and the
+    pool stays bounded, dropping the least recently used buffer first."""
+    from bagua_comm._backends import SCRATCH_BUFFERS, Backend
+
+    be = Backend(group=None)
+    sizes = range(1, 41)
+    first = {n: be.scratch("payload", n, torch.float32).data_ptr() for n in sizes}
+    for _step in range(3):
+        again = {n: be.scratch("payload", n, torch.float32).data_ptr() for n in sizes}
+        assert again == first
+    for n in range(1000, 1000 + SCRATCH_BUFFERS):   # a flood of new shapes
+        be.scratch("other", n, torch.uint8)
+    assert len(be._scratch) == SCRATCH_BUFFERS
+    keep = be.scratch("other", 1000 + SCRATCH_BUFFERS - 1, torch.uint8)  # most recent: kept
+    assert ("payload", 1, torch.float32, None) not in be._scratch         # oldest: dropped
+    assert be.scratch("other", 1000 + SCRATCH_BUFFERS - 1, torch.uint8) is keep

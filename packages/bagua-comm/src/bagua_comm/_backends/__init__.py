@@ -25,7 +25,14 @@ The contract every backend implements (``tests/test_backends.py`` runs it agains
 
 from __future__ import annotations
 
+import collections
+
 import torch
+
+#: At most this many buffers stay in a group's scratch pool; past it the least recently used
+#: one is dropped (never the whole pool: a model whose buckets need more distinct shapes than
+#: the pool holds would otherwise reallocate every buffer on every step).
+SCRATCH_BUFFERS = 256
 
 
 class Backend:
@@ -37,7 +44,7 @@ class Backend:
 
     def __init__(self, group):
         self.group = group
-        self._scratch: dict = {}
+        self._scratch: collections.OrderedDict = collections.OrderedDict()
 
     # -- primitives (group ranks, validated tensors) ------------------------------------------
     def send(self, tensor, dst, async_op):
@@ -98,9 +105,11 @@ class Backend:
         key = (tag, numel, dtype, device)
         buf = self._scratch.get(key)
         if buf is None:
-            if len(self._scratch) >= 32:  # many distinct sizes: start over rather than grow
-                self._scratch.clear()
+            while len(self._scratch) >= SCRATCH_BUFFERS:
+                self._scratch.popitem(last=False)
             buf = self._scratch[key] = torch.empty(numel, dtype=dtype, device=device)
+        else:
+            self._scratch.move_to_end(key)
         return buf
 
     def scratch_rows(self, tag, numel: int, dtype: torch.dtype, device, n: int):
@@ -111,6 +120,8 @@ class Backend:
         got = self._scratch.get(key)
         if got is None or got[0] is not buf:
             got = self._scratch[key] = (buf, buf.view(n, -1).unbind(0))
+        else:
+            self._scratch.move_to_end(key)
         return got
 
     def close(self, abort: bool = False) -> None:
