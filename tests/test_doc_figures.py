@@ -1,5 +1,8 @@
 """One source for every figure the documentation quotes: docs/results.json.
 
+The benchmarks write their runs into it (``--results``, benchmarks/_results.py; the writers are
+tested in tests/test_results_writers.py).
+
 A *quoted figure* is a number in prose followed by a unit of something measured: ``x`` (a
 ratio), ``ms``, ``s``, ``%``, ``MB/s``, ``GB/s``, ``Mbit/s`` or ``samples/s`` (``0.47x``,
 ``27.3 s``, ``1.5-2.3x``). Prose is a page's text outside fenced code blocks, inline code spans
@@ -8,9 +11,9 @@ packages/*/README.md.
 
 docs/results.json lists, per page, every figure that page quotes, and names the runs behind the
 headline figures. A page that quotes a figure not in the file fails, and so does an entry no page
-quotes any more: after re-running a benchmark, update the page and the file together
-(``python tests/test_doc_figures.py --update`` rewrites the per-page lists from the pages; the
-headline entries are edited by hand, with the run they come from).
+quotes any more: after re-running a benchmark with ``--results``, update the page and the
+per-page lists together (``python tests/test_doc_figures.py --update`` rewrites them from the
+pages; the headline entries are edited by hand, with the run and the path of the figure in it).
 """
 
 from __future__ import annotations
@@ -129,32 +132,20 @@ if __name__ == "__main__" and "--update" in sys.argv:
 
 
 def test_headline_matches_its_run():
+    """Each headline figure is the value at ``figure`` (a path) in its run's recorded figures."""
     results = json.loads(RESULTS.read_text())
-    h = results["headline"]["bytegrad_time_to_ddp_loss"]
-    row = results["runs"][h["run"]]["rows"]["bytegrad"]
-    assert h["value"] == f"{row['x_ddp_time']:.2f}x"
+    for key, h in results["headline"].items():
+        value = results["runs"][h["run"]]["figures"]
+        for step in h["figure"]:
+            value = value[step]
+        assert h["value"] == f"{value:.2f}x", key
 
 
-def test_record_results_writes_a_run(tmp_path):
-    """benchmarks/e2e/_record_results.py turns an e2e JSON into a run entry: each row's time to
-    DDP's loss and its multiple of DDP's time in the same cell."""
-    sys.path.insert(0, str(ROOT / "benchmarks" / "e2e"))
-    from _record_results import record
-
-    results = tmp_path / "results.json"
-    results.write_text(json.dumps({"runs": {}, "headline": {}, "pages": {}}))
-    report = {"runs": [
-        {"algorithm": "ddp", "status": "ok", "bandwidth_mbit": 100, "latency_ms": 0,
-         "time_to_ddp_loss_s": 58.6},
-        {"algorithm": "bytegrad", "status": "ok", "bandwidth_mbit": 100, "latency_ms": 0,
-         "time_to_ddp_loss_s": 27.3},
-        {"algorithm": "topk", "status": "ok", "bandwidth_mbit": 100, "latency_ms": 0,
-         "time_to_ddp_loss_s": None},
-        {"algorithm": "async", "status": "unavailable", "bandwidth_mbit": 100, "latency_ms": 0}]}
-    rec = record(report, "r", "python benchmarks/e2e.py --quick", "test", "2026-11-28", results)
-    assert rec["rows"] == {"ddp": {"time_to_ddp_loss_s": 58.6, "x_ddp_time": 1.0},
-                           "bytegrad": {"time_to_ddp_loss_s": 27.3, "x_ddp_time": 0.47},
-                           "topk": {"time_to_ddp_loss_s": None, "x_ddp_time": None}}
-    assert json.loads(results.read_text())["runs"]["r"]["command"].startswith("python")
-    with pytest.raises(ValueError, match="command"):
-        record(report, "r", "e2e", "test", "2026-11-28", results)
+def test_every_run_says_where_it_comes_from():
+    """A run names its benchmark (a file in the repository), the command line, the date, the
+    machine and its figures: what benchmarks/_results.py writes."""
+    for name, run in json.loads(RESULTS.read_text())["runs"].items():
+        assert (ROOT / run["benchmark"]).is_file(), name
+        assert run["command"].startswith("python benchmarks/"), name
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", run["date"]), name
+        assert run["machine"] and run["figures"], name

@@ -123,3 +123,33 @@ def add_targets(runs: list[dict], steps: list[int]) -> tuple[list[dict], str | N
         r["headline"] = headline
     add_bound(runs, headline)
     return targets, headline, why
+
+
+def figures(report: dict) -> dict:
+    """What docs/results.json keeps of a main-job report (benchmarks/_results.py): the
+    targets, the headline, and per row (``algorithm``, `` @<bandwidth>/<latency>`` added when
+    the report has several cells) its ``steps_to_target`` and ``time_to_target_s``, its time
+    as a multiple of its own cell's DDP time (``x_ddp_time``, per target; < 1: sooner),
+    ``bound_s`` and ``efficiency``. Times to 0.1 s, ratios to 0.01; rows that did not run are
+    left out."""
+    runs = [r for r in report["runs"] if r.get("status") == "ok"]
+    several = len(cells(runs)) > 1
+    ddp_of = {cell(r): r for r in runs if r["algorithm"] == "ddp"}
+
+    def rnd(v, nd):
+        return None if v is None else round(v, nd)
+
+    rows = {}
+    for r in runs:
+        c = cell(r)
+        times = r.get("time_to_target_s") or {}
+        ddp_times = (ddp_of.get(c) or {}).get("time_to_target_s") or {}
+        name = r["algorithm"] + (f" @{c[0]}/{c[1]}" if several else "")
+        rows[name] = {
+            "steps_to_target": dict(r.get("steps_to_target") or {}),
+            "time_to_target_s": {k: rnd(t, 1) for k, t in times.items()},
+            "x_ddp_time": {k: (round(t / ddp_times[k], 2) if t is not None and ddp_times.get(k)
+                               else None) for k, t in times.items()},
+            "bound_s": rnd(r.get("bound_s"), 1), "efficiency": rnd(r.get("efficiency"), 2)}
+    return {"targets": report.get("targets") or [], "headline": report.get("headline"),
+            "rows": rows}

@@ -36,6 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import _paths  # noqa: E402,F401  (testbed and benchmarks/e2e on sys.path)
+import _results  # noqa: E402
 
 # isort: split
 from _e2e_display import Display  # noqa: E402
@@ -51,7 +52,7 @@ from _e2e_report import (  # noqa: E402
 )
 from _e2e_rows import ALONE, SYNC_SWEEP, default_rows, split_row  # noqa: E402
 from _e2e_table import table  # noqa: E402
-from _e2e_targets import DEPTHS, add_targets, depth_steps  # noqa: E402
+from _e2e_targets import DEPTHS, add_targets, depth_steps, figures  # noqa: E402
 
 WORKER = str(HERE / "_e2e_worker.py")
 QUICK = {"bandwidths": "100", "size": "small", "steps": 6, "wall_seconds": 4.0, "hosts": 2,
@@ -147,6 +148,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "default 1.5, --quick 1.25")
     ap.add_argument("--no-testbed", action="store_true", help="plain loopback processes")
     ap.add_argument("--json", type=Path, help="write every number here")
+    _results.add_options(ap)
     ap.add_argument("--plot", type=Path, default=Path("out/e2e/e2e.png"))
     ap.add_argument("--workdir", type=Path, default=Path("out/e2e/work"))
     ap.add_argument("--stall-seconds", type=float, default=300.0,
@@ -374,6 +376,7 @@ def delay_line_check(before: dict | None, after: dict | None) -> dict | None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    start = _results.started()
     try:
         from rich.console import Console
 
@@ -469,6 +472,7 @@ def main(argv=None) -> int:
         path.write_text(json.dumps(report, indent=1))
     console.print(f"json: {args.json or args.plot.with_suffix('.json')}; "
                   f"took {report['elapsed_s']:.0f}s")
+    _results.record_from_args(args, "benchmarks/e2e/e2e.py", figures(report), argv, start)
     for line in lines:
         console.print(f"[bold]verdict[/]: {line}")
     return 0

@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import _paths  # noqa: F401  (testbed and benchmarks/e2e on sys.path)
+import _results
 
 # isort: split
 from _e2e_report import cell, cell_label, cells
@@ -185,7 +186,9 @@ def main(argv=None) -> int:
                          "the map among algorithms that communicate every step)")
     ap.add_argument("--json", type=Path, default=Path("out/tradeoff/tradeoff.json"))
     ap.add_argument("--plot", type=Path, default=Path("out/tradeoff/tradeoff.png"))
+    _results.add_options(ap)
     args, e2e_args = ap.parse_known_args(argv)
+    start = _results.started()
     if args.from_json:
         reports = [json.loads(p.read_text()) for p in args.from_json]
         report = {**reports[0], "runs": [r for rep in reports for r in rep["runs"]]}
@@ -222,7 +225,21 @@ def main(argv=None) -> int:
               f"{x(e['margin'])}), auto {e['auto']} ({x(e['auto_vs_best'])} best), alone "
               + (f"{x(e['alone_vs_best'])} best" if e["alone_vs_best"] else "never got there"))
     print(f"json: {args.json}; plot: {png}")
+    _results.record_from_args(args, "benchmarks/e2e/tradeoff.py",
+                              figures(report, entries), argv, start)
     return 0
+
+
+def figures(report: dict, entries: list[dict]) -> dict:
+    """What docs/results.json keeps of a map (benchmarks/_results.py): the headline target and
+    per cell its winner, margin, the automatic choice and how far it is from the best, the
+    floor's time against the winner, every row's time and efficiency (ratios are times:
+    < 1 is sooner)."""
+    keep = ("target", "winner", "margin", "auto", "auto_vs_best", "alone_vs_best", "times_s",
+            "efficiency", "steps_factor")
+    return _results.rounded({"headline": report.get("headline"),
+                             "cells": {e["label"]: {k: e.get(k) for k in keep}
+                                       for e in entries}})
 
 
 if __name__ == "__main__":

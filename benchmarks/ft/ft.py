@@ -335,9 +335,14 @@ def plot(result: dict, path: Path) -> Path | None:
 
 
 def main(argv=None) -> int:
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.append(str(ROOT / "benchmarks"))
+    import _results
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps (CI-sized)")
     ap.add_argument("--json", default="", help="write the result here")
+    _results.add_options(ap)
     ap.add_argument("--out", default="out/ft")
     ap.add_argument("--heartbeat-ms", type=int, default=1000)
     ap.add_argument("--step-sleep", type=float, default=0.02)
@@ -363,6 +368,7 @@ def main(argv=None) -> int:
                          "(quorums without a live host, uncommitted steps) under the load "
                          "the machine has; run something CPU-heavy beside it for load 8+")
     args = ap.parse_args(argv)
+    start = _results.started()
     if args.soak < 0:
         ap.error("--soak must be >= 0 seconds")
     if args.fault == "sync" and args.algo not in SYNCING:
@@ -383,6 +389,8 @@ def main(argv=None) -> int:
             if args.json:
                 Path(args.json).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.json).write_text(json.dumps(result))
+            _results.record_from_args(args, "benchmarks/ft/ft.py", _results.rounded(result),
+                                      argv, start)
             return 0
         load = Path("/proc/loadavg").read_text().split()[0]
         address, stop = hosts.lighthouse(args.heartbeat_ms)
@@ -418,6 +426,7 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result))
+    _results.record_from_args(args, "benchmarks/ft/ft.py", _results.rounded(brief), argv, start)
     png = plot(result, out / "ft.png")      # after the JSON: a plot error loses nothing
     print(f"plot: {png}" if png else "plot: skipped (pip install matplotlib)")
     return 1 if fails else 0

@@ -1,12 +1,19 @@
-"""Shared helpers of the GPU benchmarks: device choice, timing, table printing."""
+"""Shared helpers of the GPU benchmarks: device choice, timing, table printing, recording."""
 
 from __future__ import annotations
 
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import _results
+
+add_results_options = _results.add_options
+started = _results.started
 
 
 def device(allow_cpu: bool) -> torch.device | None:
@@ -73,3 +80,15 @@ def table(rows: list[list], header: list[str]) -> None:
         if i == 0:
             print("  ".join("-" * w for w in widths))
     sys.stdout.flush()
+
+
+def record(args, script: str, header: list[str], rows: list[list], start: dict,
+           argv=None) -> None:
+    """With ``--results``: the table's rows (one dict per row, keyed by the header) and the
+    device into docs/results.json or the given file (benchmarks/_results.py)."""
+    gpu = torch.cuda.is_available()
+    figures = {"device": torch.cuda.get_device_name() if gpu else "CPU (smoke run, not GPU "
+               "figures)", "cuda": torch.version.cuda if gpu else None,
+               "rows": [dict(zip(header, r)) for r in rows]}
+    _results.record_from_args(args, f"benchmarks/gpu/{script}", _results.rounded(figures, 4),
+                              argv, start)

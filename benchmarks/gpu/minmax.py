@@ -21,20 +21,22 @@ import argparse
 from functools import partial
 
 import torch
-from _common import device, table, timed
+from _common import add_results_options, device, record, started, table, timed
 
 from bagua_comm.compression import MinMaxUInt4, MinMaxUInt8
 
 COMPRESSORS = {8: (MinMaxUInt8, 0.60), 4: (MinMaxUInt4, 0.50)}   # class, target x copy bw
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sizes", default=None, help="comma list of element counts")
     ap.add_argument("--chunks", default=None, help="comma list of chunk counts")
     ap.add_argument("--bits", default="8,4", help="comma list of 8 and/or 4")
-    args = ap.parse_args()
+    add_results_options(ap)
+    args = ap.parse_args(argv)
+    start = started()
     dev = device(allow_cpu=True)
     gpu = dev.type == "cuda"
     if args.sizes:
@@ -80,8 +82,9 @@ def main() -> None:
                     worst[b] = frac if worst[b] is None else min(worst[b], frac)
                     rows.append([n, chunks, f"{b}-bit {name}", t * 1e3, traffic / t / 1e9,
                                  frac, same])
-    table(rows, ["elements", "chunks", "kernel", "ms", "GB/s traffic", "x copy bw",
-                 "bytes = CPU"])
+    header = ["elements", "chunks", "kernel", "ms", "GB/s traffic", "x copy bw", "bytes = CPU"]
+    table(rows, header)
+    record(args, "minmax.py", header, rows, start, argv)
     for b in bits:
         print(f"target: every {b}-bit kernel >= {COMPRESSORS[b][1]:.2f} x copy bandwidth; "
               f"worst here {worst[b]:.2f}" + ("" if gpu else "  (CPU smoke run)"))

@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from _common import device, host_timed, table
+from _common import add_results_options, device, host_timed, record, started, table
 from _pg import init_one_rank, shutdown
 
 import bagua_comm as bc
@@ -40,13 +40,15 @@ def calls(name, n, dev):
     return partial(bc.reduce_scatter, s, r), partial(dist.reduce_scatter_tensor, r, s)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile 2000 of our 4-byte allreduces: the host functions that take "
                          "the per-call time, instead of the table")
-    args = ap.parse_args()
+    add_results_options(ap)
+    args = ap.parse_args(argv)
+    start = started()
     dev = device(allow_cpu=False)
     if dev is None:
         return
@@ -76,8 +78,9 @@ def main() -> None:
             t_o = host_timed(ours, dev, reps)
             t_t = host_timed(theirs, dev, reps)
             rows.append([name, n * 4, t_t * 1e6, t_o * 1e6, (t_o - t_t) * 1e6, t_o / t_t])
-    table(rows, ["primitive", "bytes", "torch us", "ours us", "ours - torch us",
-                 "ours / torch"])
+    header = ["primitive", "bytes", "torch us", "ours us", "ours - torch us", "ours / torch"]
+    table(rows, header)
+    record(args, "nccl_overhead.py", header, rows, start, argv)
     print("target: ours - torch <= 5 us per call")
     shutdown()
 

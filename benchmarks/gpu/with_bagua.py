@@ -18,7 +18,7 @@ import statistics
 import time
 
 import torch
-from _common import device, sync, table
+from _common import add_results_options, device, record, started, sync, table
 from _pg import init_one_rank, shutdown
 
 ALGORITHMS = ["gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized",
@@ -86,12 +86,14 @@ def step(model, opt, x, y, dev):
     return time.perf_counter() - t0, loss.item()
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS))
     ap.add_argument("--steps", type=int, default=None)
-    args = ap.parse_args()
+    add_results_options(ap)
+    args = ap.parse_args(argv)
+    start = started()
     dev = device(allow_cpu=True)
     gpu = dev.type == "cuda"
     backend = init_one_rank()
@@ -137,7 +139,9 @@ def main() -> None:
         for k, (m, _o) in runs.items():
             if k != "ddp":
                 m.detach_algorithm()
-    table(rows, ["model", "run", "step ms", "x DDP", "loss first", "loss last", "trains"])
+    header = ["model", "run", "step ms", "x DDP", "loss first", "loss last", "trains"]
+    table(rows, header)
+    record(args, "with_bagua.py", header, rows, start, argv)
     print("target: gradient_allreduce <= 1.02 x DDP" + ("" if gpu else
                                                        "  (CPU smoke run: not GPU figures)"))
     shutdown()

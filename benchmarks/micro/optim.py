@@ -4,7 +4,8 @@ For each model (2,000 small parameters; 10 large ones; a transformer-like stack)
 optimizer mode (per-parameter loop ``foreach=False``, ``foreach=True``, ``fused=True`` where
 torch has it, and torch's default), it times ``optimizer.step()`` of the plain optimizer and of
 ``fuse_optimizer`` of the same optimizer in the same run, with gradients in place, and prints
-both and the ratio (>1: fused is faster).  A user-defined optimizer is measured too.  The
+both and the ratio of the times (fused's time / plain's, "x plain's time": < 1, fused is
+faster).  A user-defined optimizer is measured too.  The
 "new grads" rows give every parameter a new gradient tensor before each step, as
 ``zero_grad(set_to_none=True)`` and a backward do: the fused step then first copies them into
 its flat gradient and re-points them.
@@ -14,25 +15,32 @@ CPU optimizers torch has: on the issue's four shapes (600 x 256, 2,000 x 64, 50 
 4 x 4,000,000), a GPT-2-small-shaped and a ResNet-50-shaped parameter set, with gradients in
 place and with new gradients each step.  Ours: ``fuse_optimizer(Adam(fused=True))`` and
 ``AdamW(fused=True)`` (default mode, bit-identical to them), ``fuse_optimizer(Adam(),
-mode="fast")`` and, for reference, ``fuse_optimizer(Adam(foreach=True))``.
+mode="fast")`` and, for reference, ``fuse_optimizer(Adam(foreach=True))``.  Its ratio is ours
+/ torch's step time ("x torch's time": < 1, ours is faster).
 
 Timings use one torch thread by default (``torch.set_num_threads(1)``, as the issue's did).
 
     python benchmarks/micro/optim.py                     # both suites, full sizes
     python benchmarks/micro/optim.py --suite vs-fused    # against fused=True only
     python benchmarks/micro/optim.py --quick             # well under a minute
+    python benchmarks/micro/optim.py --suite vs-fused --results   # and into docs/results.json
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
 from bagua_optim import fuse_optimizer
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import _results
 
 
 class Lion(torch.optim.Optimizer):
@@ -157,8 +165,9 @@ def _make(shapes, seed=0):
     return out
 
 
-def vs_fused(quick: bool) -> list[tuple]:
-    """Rows against torch's fused=True: (shapes, ours, form, torch ms, ours ms)."""
+def vs_fused(quick: bool) -> tuple[list[tuple], dict]:
+    """Rows against torch's fused=True: (shapes, ours, form, torch ms, ours ms), and per row
+    the A/A ratio (the twin's time / torch's: this run's noise floor)."""
     adam, adamw = torch.optim.Adam, torch.optim.AdamW
     ours = [("Adam(fused=True)", adam, lambda ps: fuse_optimizer(adam(ps, lr=1e-3, fused=True))),
             ("AdamW(fused=True)", adamw,
@@ -168,7 +177,8 @@ def vs_fused(quick: bool) -> list[tuple]:
             ("Adam(foreach=True)", adam,
              lambda ps: fuse_optimizer(adam(ps, lr=1e-3, foreach=True)))]
     print(f"\nvs torch fused=True: torch {torch.__version__}, {torch.get_num_threads()} "
-          "thread(s), CPU; best step of the alternating repetitions; >1: ours faster")
+          "thread(s), CPU; best step of the alternating repetitions; ratio: ours / torch's "
+          "time (x torch's time, < 1: ours faster)")
     print("A/A: a second, identical torch fused=True optimizer timed in the same loop; its "
           "ratio is this run's noise floor")
     print(f"{'parameters':<15} {'fuse_optimizer(...)':<21} {'form':<15} {'fused=True ms':>13} "
@@ -187,20 +197,20 @@ def vs_fused(quick: bool) -> list[tuple]:
                 t_ref, t_ours, t_twin = time_steps([ref, mine, twin], reps, before)
                 del ref, mine, twin
                 rows.append((sname, label, form, t_ref, t_ours))
-                aa[sname, label, form] = t_ref / t_twin
+                aa[sname, label, form] = t_twin / t_ref
                 print(f"{sname:<15} {label:<21} {form:<15} {t_ref:13.3f} {t_ours:9.3f} "
-                      f"{t_ref / t_ours:6.2f}x {t_ref / t_twin:5.2f}x", flush=True)
-    by = {(n, lab, f): tr / to for n, lab, f, tr, to in rows}
+                      f"{t_ours / t_ref:6.2f}x {t_twin / t_ref:5.2f}x", flush=True)
+    by = {(n, lab, f): to / tr for n, lab, f, tr, to in rows}
     small = "2,000 x 64"
-    print("\nTargets (ratios from this run):")
+    print("\nTargets (ratios of times from this run, x torch's time):")
     for lab in ("Adam(fused=True)", "AdamW(fused=True)"):
-        worst = min(v for (n, la, f), v in by.items() if la == lab and f == "grads in place")
+        worst = max(v for (n, la, f), v in by.items() if la == lab and f == "grads in place")
         band = [v for (n, la, f), v in aa.items() if la == lab]
-        print(f"  {lab}: worst shape {worst:.2f}x (>= 1.0; A/A noise floor "
+        print(f"  {lab}: worst shape {worst:.2f}x (<= 1.0; A/A noise floor "
               f"{min(band):.2f}-{max(band):.2f}x), {small} "
-              f"{by[small, lab, 'grads in place']:.2f}x (>= 3), {small} new grads "
-              f"{by[small, lab, 'new grads']:.2f}x (>= 1.5)")
-    return rows
+              f"{by[small, lab, 'grads in place']:.2f}x (<= 0.33), {small} new grads "
+              f"{by[small, lab, 'new grads']:.2f}x (<= 0.67)")
+    return rows, aa
 
 
 def modes(cls):
@@ -212,22 +222,41 @@ def modes(cls):
     yield "default, new grads", {}
 
 
-def main() -> None:
+def figures(vs: tuple[list[tuple], dict] | None, plain: list[tuple] | None) -> dict:
+    """What docs/results.json keeps of a run (benchmarks/_results.py): per row, both step
+    times (ms) and their ratio as a multiple of the reference's time (< 1: ours faster)."""
+    out = {}
+    if vs is not None:
+        rows, aa = vs
+        out["vs_fused"] = {f"{n} | {lab} | {f}": {"torch_ms": tr, "ours_ms": to,
+                                                  "x_torch_time": to / tr,
+                                                  "aa_x_torch_time": aa[n, lab, f]}
+                           for n, lab, f, tr, to in rows}
+    if plain is not None:
+        out["modes"] = {f"{m} | {o} | {lab}": {"plain_ms": tp, "fused_ms": tf,
+                                               "x_plain_time": tf / tp}
+                        for m, o, lab, tp, tf in plain}
+    return _results.rounded(out, 4)
+
+
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's own)")
     ap.add_argument("--suite", choices=("all", "vs-fused", "modes"), default="all")
-    args = ap.parse_args()
+    _results.add_options(ap)
+    args = ap.parse_args(argv)
+    start = _results.started()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.suite in ("all", "vs-fused"):
-        vs_fused(args.quick)
-    if args.suite in ("all", "modes"):
-        plain_vs_fused(args.quick)
+    vs = vs_fused(args.quick) if args.suite in ("all", "vs-fused") else None
+    plain = plain_vs_fused(args.quick) if args.suite in ("all", "modes") else None
+    _results.record_from_args(args, "benchmarks/micro/optim.py", figures(vs, plain), argv, start)
 
 
-def plain_vs_fused(quick: bool) -> None:
-    """Each torch optimizer mode, plain against fuse_optimizer of the same (default mode)."""
+def plain_vs_fused(quick: bool) -> list[tuple]:
+    """Each torch optimizer mode, plain against fuse_optimizer of the same (default mode):
+    rows of (model, optimizer, mode, plain ms, fused ms)."""
     reps = 5 if quick else 25
     models = {"2000 small": small_params, "10 large": large_params,
               "transformer": transformer_params}
@@ -237,7 +266,7 @@ def plain_vs_fused(quick: bool) -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU; "
           f"best step time of {reps}")
     print(f"{'model':<12} {'optimizer':<9} {'mode':<18} {'plain ms':>10} {'fused ms':>10} "
-          f"{'speed-up':>9}")
+          f"{'x plain':>9}")
     rows = []
     for mname, make in models.items():
         base = make(quick)
@@ -253,24 +282,26 @@ def plain_vs_fused(quick: bool) -> None:
             t_plain, t_fused = time_steps([plain, fused], reps, before)
             rows.append((mname, cls.__name__, label, t_plain, t_fused))
             print(f"{mname:<12} {cls.__name__:<9} {label:<18} {t_plain:10.3f} {t_fused:10.3f} "
-                  f"{t_plain / t_fused:8.2f}x{note}", flush=True)
+                  f"{t_fused / t_plain:8.3f}x{note}", flush=True)
     print()
-    print("Targets on 2000 small parameters (ratios of best times in this run):")
+    print("Targets on 2000 small parameters (fused default's best time as a multiple of the "
+          "plain optimizer's, this run):")
     by = {(m, o, lab): (tp, tf) for m, o, lab, tp, tf in rows}
     for o in ("SGD", "Adam"):
         fused_default = by[("2000 small", o, "default")][1]
         loop = by[("2000 small", o, "foreach=False")][0]
         foreach = by[("2000 small", o, "foreach=True")][0]
         torch_fused = by[("2000 small", o, "fused=True")][0]
-        print(f"  {o}: fused default vs per-parameter loop {loop / fused_default:6.2f}x "
-              f"(target >= 5), vs foreach=True {foreach / fused_default:6.2f}x (>= 1.5), "
-              f"vs torch fused=True {torch_fused / fused_default:6.2f}x (>= 1)")
+        print(f"  {o}: x per-parameter loop's time {fused_default / loop:6.3f}x "
+              f"(target <= 0.2), x foreach=True's {fused_default / foreach:6.3f}x (<= 0.67), "
+              f"x torch fused=True's {fused_default / torch_fused:6.3f}x (<= 1)")
     for o in ("SGD", "Adam"):
-        ratios = [tp / tf for m, oo, _, tp, tf in rows if m == "10 large" and oo == o]
+        ratios = [tf / tp for m, oo, _, tp, tf in rows if m == "10 large" and oo == o]
         gmean = statistics.geometric_mean(ratios)
-        print(f"  10 large, {o}: fused/plain speed-up, geometric mean over modes {gmean:5.2f}x "
-              f"(min {min(ratios):.2f}x; >= 1: parameters this large are never flattened, so "
+        print(f"  10 large, {o}: x plain's time, geometric mean over modes {gmean:5.2f}x "
+              f"(max {max(ratios):.2f}x; <= 1: parameters this large are never flattened, so "
               "any gap is timing noise)")
+    return rows
 
 
 if __name__ == "__main__":

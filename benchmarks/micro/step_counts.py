@@ -37,8 +37,12 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import _results
 
 ALGORITHMS = ["gradient_allreduce", "bytegrad", "qadam", "decentralized",
               "low_precision_decentralized", "async", "topk", "low_rank", "diloco",
@@ -307,7 +311,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--steps", type=int, default=5, help="steps per variant per round")
     ap.add_argument("--json", default=None, help="write the figures to this file")
+    _results.add_options(ap)
     args = ap.parse_args(argv)
+    start = _results.started()
     models = [m for m in args.models.split(",") if m]
     variants = ["ddp", *[a for a in args.algorithms.split(",") if a], "ddp_hook"]
     result = {"bucket_bytes": args.bucket_kib * 1024, "argv": sys.argv[1:]}
@@ -344,6 +350,9 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    _results.record_from_args(args, "benchmarks/micro/step_counts.py",
+                              _results.rounded({k: v for k, v in result.items() if k != "argv"},
+                                               4), argv, start)
     return result
 
 
