@@ -149,3 +149,57 @@ def test_every_run_says_where_it_comes_from():
         assert run["command"].startswith("python benchmarks/"), name
         assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", run["date"]), name
         assert run["machine"] and run["figures"], name
+
+
+def _agrees(shown: str, value: float) -> bool:
+    """``shown`` (``"0.15x"``, ``"5.6"``) is ``value`` rounded to the digits it shows."""
+    text = shown.strip().strip("*").rstrip("x")
+    decimals = len(text.split(".")[1]) if "." in text else 0
+    return abs(float(text) - value) <= 0.5 * 10 ** -decimals + 1e-9
+
+
+def _table_rows(page: Path, header_start: str) -> list[list[str]]:
+    lines = page.read_text().splitlines()
+    i = next(n for n, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[i + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip().replace("`", "") for c in line.strip("|").split("|")])
+    return rows
+
+
+@pytest.mark.parametrize("page", ["docs/fused-optimizer.md", "packages/bagua-optim/README.md"])
+def test_fused_optimizer_tables_are_their_runs_times(page):
+    """The fused-optimizer tables quote ours as a multiple of torch's (or the plain optimizer's)
+    time, as recorded in docs/results.json's runs, never the inverse ("x faster")."""
+    runs = json.loads(RESULTS.read_text())["runs"]
+    vs = runs["fused-optimizer-vs-fused-2026-11-25"]["figures"]["vs_fused"]
+    rows = _table_rows(ROOT / page, "| parameters | ours: `fuse_optimizer(...)`")
+    checked = 0
+    for shape, label, in_place, new in rows:
+        labels = [x.strip() for x in re.sub(r"\s*\(exact[^)]*\)$", "", label).split(" / ")]
+        for form, cell in (("grads in place", in_place), ("new grads", new)):
+            for lab, shown in zip(labels, cell.split(" / "), strict=True):
+                want = vs[f"{shape.split(' (')[0]} | {lab} | {form}"]["x_torch_time"]
+                assert _agrees(shown, want), (page, shape, lab, form, shown, want)
+                checked += 1
+    assert checked == len(vs)
+    modes = runs["fused-optimizer-modes-2026-11-21"]["figures"]["modes"]
+    for model, opt, mode, plain, fused, ratio in _table_rows(
+            ROOT / page, "| model | optimizer | mode | plain | fused | x plain's time |"):
+        rec = modes[" | ".join(x for x in (model, opt, mode) if x)]
+        assert (float(plain), float(fused)) == (rec["plain_ms"], rec["fused_ms"])
+        assert _agrees(ratio.split(" (")[0], rec["x_plain_time"]), (page, model, opt, mode)
+    assert not re.search(r"\d(\.\d+)?x faster|speed-up \|", prose((ROOT / page).read_text()))
+
+
+def test_gpu_fused_optimizer_table_is_its_runs_times():
+    rec = json.loads(RESULTS.read_text())["runs"]["gpu-optim-h200-2026-11-27"]["figures"]["rows"]
+    rows = _table_rows(ROOT / "docs" / "gpu.md", "| parameters | optimizer | foreach ms |")
+    assert len(rows) == len(rec)
+    for (_, opt, f_ms, u_ms, o_ms, x_foreach, x_fused), r in zip(rows, rec):
+        assert opt == r["optimizer"] and float(o_ms) == r["ours ms"]
+        assert _agrees(x_foreach, r["x foreach"]) and _agrees(x_fused, r["x fused"]), opt
+        assert _agrees(x_foreach, float(o_ms) / float(f_ms))
+        assert _agrees(x_fused, float(o_ms) / float(u_ms))
