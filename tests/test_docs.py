@@ -79,10 +79,18 @@ def test_front_page_links_resolve(page):
         assert path.exists(), f"{page.relative_to(ROOT)} links {ref}, which does not exist"
 
 
-def test_readme_says_what_it_measured_and_shows_it():
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert "python3 -m nox -s demo" in text and "python3 -m nox -t ci" in text
-    assert re.search(r"!\[[^\]]+\]\(docs/img/[\w.-]+\.png\)", text), "a picture of the main job"
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
+def test_first_screen_says_what_it_measured_and_shows_it(page):
+    """The first screen (30 lines) of README and of the docs home: what it is, one measured
+    sentence against DDP, a picture of the main job, then the two commands."""
+    lines = (ROOT / page).read_text(encoding="utf-8").splitlines()[:30]
+    at = {what: next((i for i, line in enumerate(lines) if re.search(pattern, line)), None)
+          for what, pattern in (("measured", r"\d\.\d+x DDP's time"),
+                                ("picture", r"!\[[^\]]+\]\((docs/)?img/main-job[\w.-]*\.png\)"),
+                                ("demo", r"python3 -m nox -s demo"),
+                                ("ci", r"python3 -m nox -t ci"))}
+    assert None not in at.values(), f"{page}'s first 30 lines lack {at}"
+    assert at["measured"] < at["picture"] < at["demo"] < at["ci"], at
 
 
 @pytest.mark.parametrize("readme", sorted(ROOT.glob("packages/*/README.md")),
