@@ -166,3 +166,18 @@ def test_a_gpu_kit_benchmark_records_its_table_end_to_end(results):
     kernels = [r["kernel"] for r in entry["figures"]["rows"]]
     assert kernels == ["copy (reference)", "8-bit compress", "8-bit decompress"]
     assert all(r["elements"] == 4096 and r["ms"] > 0 for r in entry["figures"]["rows"])
+
+
+def test_the_sampler_benchmark_records_its_tables_end_to_end(results):
+    """benchmarks/micro/data.py, run for real (a small padding table, no loop): each sampler's
+    padded cost and its multiple of the length-grouped reference's, as recorded."""
+    pytest.importorskip("bagua_data")
+    cmd = [sys.executable, "benchmarks/micro/data.py", "--quick", "--skip-loop", "--samples",
+           "2000", "--results", str(results), "--results-run", "data-smoke"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    padding = _kept(results, "data-smoke")["figures"]["padding"]
+    ref = padding["hf"]["padded"]
+    for name, row in padding.items():
+        assert row["x_ref_padded"] == pytest.approx(row["padded"] / ref, abs=1e-4), name
+    assert padding["torch"]["x_ref_padded"] > 1          # padding a random order costs more

@@ -37,6 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import _paths  # noqa: E402,F401  (testbed and benchmarks/e2e on sys.path)
+import _results  # noqa: E402
 from testbed import Testbed, testbed_available  # noqa: E402
 
 EXAMPLE = HERE.parents[1] / "examples" / "elastic.py"
@@ -60,6 +61,7 @@ def parse_args(argv=None):
     ap.add_argument("--name", default="el", help="testbed name")
     ap.add_argument("--no-rejoin", dest="rejoin", action="store_false",
                     help="lose host 2 and finish at 2 hosts (do not bring it back)")
+    _results.add_options(ap)
     args = ap.parse_args(argv)
     q = args.quick
     args.timeout = args.timeout or (5.0 if q else 10.0)
@@ -332,6 +334,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    start = _results.started()
     ok, why = testbed_available()
     if not ok:
         print(f"elastic scenario needs the testbed (network namespaces): {why}")
@@ -363,6 +366,9 @@ def main(argv=None) -> int:
     failed = failures(result, args)
     for why in failed:
         print(f"  FAILED: {why} (see {out}/host*.log)")
+    brief = {k: v for k, v in result.items() if k != "curve"}     # the curve stays in out/
+    _results.record_from_args(args, "benchmarks/ft/elastic.py",
+                              _results.rounded({**brief, "failures": failed}), argv, start)
     return 1 if failed else 0
 
 

@@ -20,9 +20,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import _results
 
 # name: (width, depth, rounds) -- MLPs 256 -> width x depth -> 10.  A round is one DDP step
 # and one GradientAllReduce step back to back (which goes first alternates); the ratio is the
@@ -193,7 +198,9 @@ def main(argv=None):
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS),
                     help="comma-separated registry names to count bytes for ('' for none)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    _results.add_options(ap)
     args = ap.parse_args(argv)
+    start = _results.started()
     names = (args.sizes or ("small,quick" if args.quick else ",".join(SIZES))).split(",")
     names = [n for n in names if n]
     unknown = sorted(set(names) - set(SIZES))
@@ -222,22 +229,28 @@ def main(argv=None):
           "step costs, whatever the load); mean over ranks")
     print(f"  {'size':6s} {'MLP':>8s} {'params':>8s} {'DDP ms':>9s} {'bagua ms':>9s} "
           f"{'ratio':>7s} {'CPU ratio':>9s} {'rounds':>7s}")
-    worst = 0.0
+    worst, figures = 0.0, {"step_time": {}}
     for name, w, d, n_rounds in sizes:
         t_ddp = statistics.mean(r["time"][name]["ddp"] for r in res)
         t_bg = statistics.mean(r["time"][name]["bagua"] for r in res)
         ratio = statistics.mean(r["time"][name]["ratio"] for r in res)
         cpu_ratio = statistics.mean(r["time"][name]["cpu_ratio"] for r in res)
         worst = max(worst, ratio)
+        figures["step_time"][name] = {"mlp": f"{d}x{w}", "ddp_ms": t_ddp * 1e3,
+                                      "bagua_ms": t_bg * 1e3, "x_ddp_time": ratio,
+                                      "cpu_x_ddp_time": cpu_ratio, "rounds": n_rounds}
         print(f"  {name:6s} {f'{d}x{w}':>8s} {_params(w, d) / 1e6:7.2f}M {t_ddp * 1e3:9.2f} "
               f"{t_bg * 1e3:9.2f} {ratio:7.3f} {cpu_ratio:9.3f} {n_rounds:7d}")
     print(f"  worst ratio {worst:.3f}   (target <= 1.02 at every size)")
     if not algorithms:
+        _results.record_from_args(args, "benchmarks/micro/algos.py", _results.rounded(figures, 4),
+                                  argv, start)
         return
     r0 = res[0]
     print(f"\nbytes sent per rank per step (rank 0), MLP {depth}x{width} "
           f"({r0['params'] / 1e6:.2f} M params, {r0['params'] * 4 / 2**20:.1f} MiB fp32)")
     ddp_bytes = r0["bytes"]["ddp"]
+    figures["bytes"] = {"mlp": f"{depth}x{width}", "ddp_bytes_per_step": ddp_bytes}
     print(f"  {'algorithm':30s} {'bytes/step':>14s} {'x DDP':>8s} {'step ms':>9s}")
     print(f"  {'DDP (gloo)':30s} {ddp_bytes:14,.0f} {1.0:8.3f} {'':>9s}")
     for name in algorithms:
@@ -245,8 +258,12 @@ def main(argv=None):
         t = statistics.mean(r["step"][name] for r in res)
         note = "   (time-based: sync every 50 ms)" if name == "async" else ""
         print(f"  {name:30s} {b:14,.0f} {b / ddp_bytes:8.3f} {t * 1e3:9.2f}{note}")
+        figures["bytes"][name] = {"bytes_per_step": b, "x_ddp_bytes": b / ddp_bytes,
+                                  "step_ms": t * 1e3}
     print("  (step ms in this table: one round of steps per algorithm, noisier than above)")
     print("\ntargets: bytegrad and low_precision_decentralized <= 0.3 x DDP")
+    _results.record_from_args(args, "benchmarks/micro/algos.py", _results.rounded(figures, 4),
+                              argv, start)
 
 
 if __name__ == "__main__":

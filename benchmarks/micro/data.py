@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,9 @@ from _data_plans import (
 from torch.utils.data import DistributedSampler
 
 from bagua_data import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import _results
 
 
 def plan(name: str, args, world: int, epoch: int) -> list[list[list[int]]]:
@@ -177,7 +181,7 @@ def measure_unpadded(args) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes, well under a minute")
     p.add_argument("--samples", type=int, default=20_000, help="dataset size")
@@ -198,7 +202,10 @@ def main() -> None:
                    help="world sizes of the unpadded-imbalance table (none: skip it)")
     p.add_argument("--unpadded-samples", type=int, default=200_000)
     p.add_argument("--skip-loop", action="store_true")
-    args = p.parse_args()
+    _results.add_options(p)
+    args = p.parse_args(argv)
+    start = _results.started()
+    figures = {}
     if args.quick:
         args.epochs, args.rounds, args.unpadded_samples, args.worlds = 1, 1, 20_000, [2, 8]
     args.lengths = lognormal_lengths(args.samples, args.median, args.sigma, seed=1,
@@ -210,6 +217,8 @@ def main() -> None:
           f"{max(args.lengths)}), {args.ranks} ranks, batch {args.batch_size}, budgets "
           f"{args.budget} padded tokens; {args.epochs} epoch(s) averaged")
     stats = measure_padding(args)
+    figures["padding"] = {name: {**stats[name], "x_ref_padded": stats[name]["padded"]
+                                 / stats["hf"]["padded"]} for name in SAMPLERS}
     ref = stats["hf"]["padded"]
     print(f"{'sampler':<52} {'padded':>8} {'useful':>7} {'imbal.':>7} {'vs ref':>7} "
           f"{'steps':>6} {'slowest rank tokens':>20}")
@@ -228,6 +237,8 @@ def main() -> None:
               f"padded token of the rank's batch, then allreduces {args.grad_numel} floats; "
               f"{args.rounds} round(s) per sampler, alternating")
         tput = {k: sum(res["samples"][k]) / sum(v) for k, v in res["times"].items()}
+        figures["loop"] = {k: {"samples_per_s": v, "x_torch_samples_per_s": v / tput["torch"],
+                               "round_s": res["times"][k]} for k, v in tput.items()}
         print(f"{'sampler':<52} {'samples/s':>9} {'ratio':>6}  {'slept':>6}  per round")
         for name, label in SAMPLERS.items():
             # the slowest rank's sleep summed over the steps: the loop's time without overhead
@@ -246,9 +257,12 @@ def main() -> None:
               f"batch {args.batch_size}")
         print(f"{'ranks':>5} {'DistributedSampler':>19} {'LoadBalancing':>14} "
               f"{'LB+token budget':>16}")
-        for row in measure_unpadded(args):
+        figures["unpadded_imbalance"] = measure_unpadded(args)
+        for row in figures["unpadded_imbalance"]:
             print(f"{row['world']:>5} {row['torch']:>19.4f} {row['ours']:>14.4f} "
                   f"{row['ours_budget']:>16.4f}")
+    _results.record_from_args(args, "benchmarks/micro/data.py", _results.rounded(figures, 4),
+                              argv, start)
 
 
 if __name__ == "__main__":
