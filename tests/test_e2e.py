@@ -153,7 +153,9 @@ def test_e2e_without_rich_matplotlib_or_tqdm_finishes_and_writes_its_json(tmp_pa
 
 @pytest.mark.timeout(420)
 def test_e2e_without_a_testbed_says_so_and_runs_over_loopback(tmp_path):
-    report, stdout = _run(tmp_path, "--no-testbed", "--algorithms", "ddp")
+    results = tmp_path / "results.json"
+    report, stdout = _run(tmp_path, "--no-testbed", "--algorithms", "ddp", "--results",
+                          str(results), "--results-run", "tiny")
     assert report["testbed"]["used"] is False
     assert "NO TESTBED" in stdout
     run, alone = report["runs"]
@@ -161,6 +163,15 @@ def test_e2e_without_a_testbed_says_so_and_runs_over_loopback(tmp_path):
     assert run["bandwidth_mbit"] is None and run["status"] == "ok"
     assert run["bytes_source"] == "accounted"
     assert all(run[k] is not None for k in REQUIRED if k != "bandwidth_mbit")
+    # --results: the run's figures merged into that file (benchmarks/_results.py)
+    entry = json.loads(results.read_text())["runs"]["tiny"]
+    assert entry["command"].startswith("python benchmarks/e2e/e2e.py --quick")
+    fig = entry["figures"]
+    assert fig["headline"] == report["headline"] and fig["targets"] == report["targets"]
+    assert set(fig["rows"]) == {"ddp", "alone"}
+    names = [t["name"] for t in report["targets"]]
+    assert names and list(fig["rows"]["ddp"]["time_to_target_s"]) == names
+    assert all(v in (None, 1.0) for v in fig["rows"]["ddp"]["x_ddp_time"].values())
 
 
 def _powersgd_ranks(serialize: bool) -> dict:
