@@ -26,6 +26,7 @@ PY=${PYTHON:-python3}
 export PYTHONPATH=$ROOT/packages/bagua-comm/src:$ROOT/packages/bagua-algos/src:$ROOT/packages/bagua-optim/src:$ROOT/packages/bagua-data/src:$ROOT/packages/bagua-net/src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONDONTWRITEBYTECODE=1
 QUICK_FLAG=${QUICK:+--quick}
+RESULTS_FLAG=${RESULTS:+--results $RESULTS}  # RESULTS=PATH: the benchmarks' runs into PATH
 
 summary() { echo "$(date -u +%H:%M:%S) $*" | tee -a "$LOGS/summary.txt"; }
 
@@ -88,10 +89,10 @@ for s in $steps; do
   case $s in
     setup)  run_step setup 600 bash -c step_setup ;;
     tests)  run_step tests 1800 bash -c step_tests ;;
-    minmax) run_step minmax 600 $PY benchmarks/gpu/minmax.py $QUICK_FLAG ;;
-    optim)  run_step optim 600 $PY benchmarks/gpu/optim.py $QUICK_FLAG ;;
-    nccl)   run_step nccl 600 $PY benchmarks/gpu/nccl_overhead.py $QUICK_FLAG ;;
-    algos)  run_step algos 600 $PY benchmarks/gpu/with_bagua.py $QUICK_FLAG ;;
+    minmax) run_step minmax 600 $PY benchmarks/gpu/minmax.py $QUICK_FLAG $RESULTS_FLAG ;;
+    optim)  run_step optim 600 $PY benchmarks/gpu/optim.py $QUICK_FLAG $RESULTS_FLAG ;;
+    nccl)   run_step nccl 600 $PY benchmarks/gpu/nccl_overhead.py $QUICK_FLAG $RESULTS_FLAG ;;
+    algos)  run_step algos 600 $PY benchmarks/gpu/with_bagua.py $QUICK_FLAG $RESULTS_FLAG ;;
     net)    run_step net 300 $PY benchmarks/gpu/net_plugin.py ;;
     bench)  "$0" minmax optim nccl algos net ;;
     e2e)    run_step e2e 1800 $PY benchmarks/e2e/e2e.py --hosts 8 ${E2E_ARGS:-$QUICK_FLAG} \
