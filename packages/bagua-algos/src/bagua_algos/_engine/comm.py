@@ -22,19 +22,69 @@ import bagua_comm as bc
 Handle = bc.Work
 
 
+def on_gpu(device) -> bool:
+    """Whether work on ``device`` is ordered by CUDA streams and events.  Every stream
+    decision of the algorithms goes through here, so that tests/_stream_model.py can run the
+    GPU ordering code on CPU tensors."""
+    return device is not None and device.type == "cuda"
+
+
+class StreamHandle(Handle):
+    """A :class:`Handle` whose job ran on a stream of its own: ``wait()`` (and ``then``)
+    make the consumer's current stream wait, on the GPU, for the job's end (an event),
+    without blocking the host beyond the job's submission."""
+
+    __slots__ = ("_done",)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._done = None
+
+    def _order(self) -> None:
+        if self._done is not None:
+            torch.cuda.current_stream().wait_event(self._done)
+
+    def wait(self) -> Any:
+        value = super().wait()
+        self._order()
+        return value
+
+    def then(self, fn):
+        def ordered(h):
+            self._order()
+            return fn(h)
+
+        return super().then(ordered)
+
+
 class Runner:
     """Runs communication functions one after another on one background thread.
 
     Collectives issued from it keep their submission order, which is the same on every rank,
     so chains of blocking collectives (hierarchical modes, peer exchanges) overlap the
-    caller's computation.  CUDA work a function issues goes to the stream that was current
-    in the submitting thread (the communication stream the module waits on), not to the
-    background thread's default stream.
+    caller's computation.  CUDA work a function issues goes by default to the stream that was
+    current in the submitting thread (the engine's communication stream, in a bucket hook).
+
+    With ``own_stream`` (for jobs submitted from the training stream: Decentralized's
+    exchange, DiLoCo's syncs) the jobs run on a stream of the runner's own instead, which
+    first waits for the submitter's stream at submission; the training stream waits for a
+    job only where its result is consumed (:class:`StreamHandle`), and no thread but the
+    training thread ever enqueues anything on it (issue 46: the exchange's blocking
+    collectives made the training stream wait for them, from the runner's thread, in the
+    middle of the next forward and backward).
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, own_stream: bool = False):
         self._name = name
         self._pool: ThreadPoolExecutor | None = None
+        self._own = own_stream
+        self._streams: dict = {}     # device -> the runner's stream there
+
+    def _side(self, caller):
+        s = self._streams.get(caller.device)
+        if s is None:
+            s = self._streams[caller.device] = torch.cuda.Stream(device=caller.device)
+        return s
 
     def submit(self, fn: Callable[[], Any]) -> Handle:
         """Run ``fn`` after the jobs submitted before; the handle completes (with None) when
@@ -42,7 +92,15 @@ class Runner:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
         stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
-        handle = Handle.pending()
+        ready = done = None
+        if stream is not None and self._own:
+            ready, done = torch.cuda.Event(), torch.cuda.Event()
+            ready.record(stream)          # the inputs, as the submitter's stream has them
+            stream = self._side(stream)
+            handle = StreamHandle.pending()
+            handle._done = done
+        else:
+            handle = Handle.pending()
 
         def job():
             try:
@@ -50,7 +108,11 @@ class Runner:
                     fn()
                 else:
                     with torch.cuda.stream(stream):
+                        if ready is not None:
+                            stream.wait_event(ready)
                         fn()
+                        if done is not None:
+                            done.record(stream)
             except BaseException as err:  # handed to whoever waits
                 handle.set_exception(err)
             else:
@@ -95,9 +157,10 @@ class Reducer:
     inter-node group when hierarchical), e.g. the group a compressor's chunks must divide.
     """
 
-    def __init__(self, group: bc.ProcessGroup, hierarchical: bool, name: str):
+    def __init__(self, group: bc.ProcessGroup, hierarchical: bool, name: str,
+                 own_stream: bool = False):
         self.group = group
-        self.runner = Runner(name)
+        self.runner = Runner(name, own_stream)
         self.hierarchical = hierarchical
 
     @property

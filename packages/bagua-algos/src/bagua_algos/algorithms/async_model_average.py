@@ -11,7 +11,7 @@ import torch
 import bagua_comm as bc
 
 from .._engine.checks import check_int_at_least, check_number
-from .._engine.comm import Reducer
+from .._engine.comm import Reducer, on_gpu
 from .._engine.state import export_flat, import_flat
 from ..algorithm import Algorithm, AlgorithmImpl
 
@@ -68,6 +68,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self.device: torch.device | None = None   # the weights' device, captured at init
         self._train_done = None   # CUDA event: the training stream's last step / apply
         self._avg_done = None     # CUDA event: the averaging stream's last update of pending
+        self._snap_done = None    # CUDA event: the averaging stream's last read of the weights
 
     def init_operations(self, ctx, buckets):
         self.buckets = buckets
@@ -104,6 +105,9 @@ class AsyncModelAverageImpl(AlgorithmImpl):
     def _lock_step(self, *_):
         self.lock.acquire()
         self._step_holds += 1
+        # the lock orders the host only: the step's kernels must also wait, on the GPU, for
+        # the averaging stream's last snapshot of the weights they are about to overwrite
+        self._after_snapshot()
 
     def _unlock_step(self, *_):
         self._mark_training()     # the snapshot must follow this step on the GPU too
@@ -121,7 +125,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
     def _mark_training(self):
         """Record, on the training thread's current stream, that its writes so far (a step,
         an applied average) come before the averaging thread's next reads."""
-        if self.device is not None and self.device.type == "cuda":
+        if on_gpu(self.device):
             if self._train_done is None:
                 self._train_done = torch.cuda.Event()
             self._train_done.record(torch.cuda.current_stream(self.device))
@@ -152,6 +156,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
                 return
             if self._avg_done is not None:    # pending was written on the averaging stream
                 torch.cuda.current_stream(self.device).wait_event(self._avg_done)
+            self._after_snapshot()            # (covered by _avg_done unless one is missing)
             with torch.no_grad():
                 for b, delta in zip(self.buckets, self.pending):
                     b.gather_weights().add_(delta)
@@ -165,7 +170,8 @@ class AsyncModelAverageImpl(AlgorithmImpl):
             atexit.register(self._stop_at_exit)
             self._atexit_registered = True
         self.abort_event.clear()
-        if self.device is not None and self.device.type == "cuda":
+        self._mark_training()   # the first round reads what the training stream wrote so far
+        if on_gpu(self.device):
             # the averaging group's NCCL state (communicator, stream, events) is made here,
             # on the training thread, on this rank's device; every rank starts together
             bc.allreduce_inplace(torch.zeros(1, device=self.device), group=self.bg_group)
@@ -238,6 +244,10 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         with self.lock:   # the weights as the next forward will see them
             self._after_training()
             snaps = [b.gather_weights() + delta for b, delta in zip(self.buckets, self.pending)]
+            if on_gpu(self.device):    # the next step's writes wait for these reads
+                if self._snap_done is None:
+                    self._snap_done = torch.cuda.Event()
+                self._snap_done.record()
         for s in snaps:
             avg = s.clone()
             bc.allreduce_inplace(avg, bc.ReduceOp.AVG, group=self.bg_group)
@@ -246,12 +256,18 @@ class AsyncModelAverageImpl(AlgorithmImpl):
             self._after_training()
             for delta, s in zip(self.pending, snaps):
                 delta.add_(s)
-            if self.device.type == "cuda":
+            if on_gpu(self.device):
                 if self._avg_done is None:
                     self._avg_done = torch.cuda.Event()
                 self._avg_done.record()
             self.has_pending = True
         self.rounds += 1
+
+    def _after_snapshot(self):
+        """On the training stream: wait for the averaging stream's last snapshot (the reads
+        of the weights and of pending) before overwriting them."""
+        if self._snap_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._snap_done)
 
     def _after_training(self):
         """On the averaging stream: wait for the training stream's last recorded writes."""
@@ -287,7 +303,7 @@ def _cuda_context(device):
     training stream nor land on another rank's GPU.  A no-op for CPU weights."""
     import contextlib
 
-    if device is None or device.type != "cuda":
+    if not on_gpu(device):
         return contextlib.nullcontext()
     torch.cuda.set_device(device)
     return torch.cuda.stream(torch.cuda.Stream(device))

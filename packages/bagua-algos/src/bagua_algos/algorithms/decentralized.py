@@ -93,7 +93,8 @@ class DecentralizedImpl(AlgorithmImpl):
         elif self.mode == "shift_one" and group.size > 1 and group.size % 2:
             raise ValueError(f"peer_selection_mode='shift_one' needs an even number of ranks, "
                              f"got {group.size}; use 'all'")
-        self.reducer = Reducer(group, algo.hierarchical, "bagua-decentralized")
+        self.reducer = Reducer(group, algo.hierarchical, "bagua-decentralized",
+                               own_stream=True)   # submitted from the training stream
         self.state = DecentralizedState()
         self._work = None
 

@@ -145,7 +145,8 @@ class DiLoCoImpl(AlgorithmImpl):
         super().__init__(group)
         self.algo = algo
         self.H, self.P, self.tau = algo.sync_every, algo.fragments, algo.overlap_steps
-        self.reducer = Reducer(group, algo.hierarchical, "bagua-diloco")
+        self.reducer = Reducer(group, algo.hierarchical, "bagua-diloco",
+                               own_stream=True)   # syncs start on the training stream
         self.compressor = algo.compressor
         if self.compressor is not None:
             check_chunks(self.compressor, self.reducer.peers.size, "DiLoCo compressor")
