@@ -217,6 +217,46 @@ def test_an_abort_that_blocks_still_records_the_error_and_ends_the_rank(tmp_path
     assert "exiting with status 1" in out.stderr
 
 
+_ABORT_RACE = r"""
+import ctypes, os, threading, time
+import bagua_comm._nccl_loader as L
+n = L.load()
+fake = ctypes.CDLL(os.environ["BAGUA_NCCL_LIBRARY"])
+comm = n.NcclCommunicator(1, n.get_unique_id(), 0, timeout=3)
+fake.fakeSetInProgress(1)            # the collective waits for a peer that is gone
+out = {}
+
+def call():
+    try:
+        comm.allreduce(0, 0, 0, 7, 0, 0)
+    except n.NcclError as e:
+        out["error"] = str(e)
+
+t = threading.Thread(target=call)
+t.start()
+time.sleep(0.3)                      # the call is polling ncclInProgress
+t0 = time.monotonic()
+comm.abort()                         # as the watchdog does, from another thread
+t.join(20)
+print("returned after %.1f s" % (time.monotonic() - t0), "alive", comm.alive, flush=True)
+print("uses after free", fake.fakeUsesAfterFree(), "aborts", fake.fakeAborts(), flush=True)
+print("error:", out.get("error"), flush=True)
+"""
+
+
+@needs_cc
+def test_abort_during_a_call_frees_the_communicator_only_once_the_call_left(tmp_path):
+    """The watchdog's abort() while a collective polls ncclInProgress on another thread: the
+    call stops at its next poll and raises; the handle is freed after that, never used."""
+    out = subprocess.run([sys.executable, "-c", _ABORT_RACE], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "BAGUA_NCCL_LIBRARY": build(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "uses after free 0 aborts 1" in out.stdout, out.stdout
+    line = next(x for x in out.stdout.splitlines() if x.startswith("returned after"))
+    assert float(line.split()[2]) < 2.5 and line.endswith("alive False"), line
+    assert "was aborted or destroyed by another thread" in out.stdout, out.stdout
+
+
 _INIT = r"""
 import ctypes, os, time
 import bagua_comm._nccl_loader as L

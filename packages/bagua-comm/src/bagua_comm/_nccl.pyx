@@ -278,6 +278,15 @@ cdef class NcclCommunicator:
     :class:`NcclError` with the status and NCCL's message.  ``abort()``, ``destroy()`` and
     ``async_error()`` are safe to call from another thread (the watchdog's): they serialise on
     a per-communicator lock, so the handle is never used after it was freed.
+
+    The calls (collectives, ``count``...) hold no lock while NCCL runs, so that the watchdog's
+    ``abort()`` can end a call that waits for a dead peer; instead they count themselves in
+    as readers of the handle.  ``abort()`` marks the communicator closing (no new reader
+    starts; a reader polling ``ncclInProgress`` stops at its next poll and raises), waits
+    for the readers to leave (a non-blocking communicator's calls return at once), and only
+    then frees the handle.  A blocking communicator's call may be stuck inside NCCL: there
+    ``ncclCommAbort`` is what unblocks it, so abort does not wait, and the reader, once
+    back, raises without touching the handle again.
     """
 
     cdef ncclComm_t _comm
@@ -286,6 +295,9 @@ cdef class NcclCommunicator:
     cdef readonly bint nonblocking
     cdef readonly double timeout
     cdef object _life
+    cdef object _left       # Condition on _life: the last reader left
+    cdef int _readers       # calls between _enter() and _leave()
+    cdef bint _closing      # abort()/destroy() began: no new reader, pollers stop
     cdef public object watch  # the watchdog's record of this communicator, if any
 
     def __cinit__(self):
@@ -293,6 +305,9 @@ cdef class NcclCommunicator:
         self.nranks = 0
         self.rank = -1
         self._life = threading.Lock()
+        self._left = threading.Condition(self._life)
+        self._readers = 0
+        self._closing = False
         self.watch = None
 
     def __init__(self, int nranks, bytes unique_id, int rank, timeout=None):
@@ -346,13 +361,16 @@ cdef class NcclCommunicator:
                 _CommDestroy(self._comm)
         self._comm = NULL
 
-    def _ready(self, what="an NCCL call"):
+    def _ready(self, what="an NCCL call", int inside=0):
         """Wait while a non-blocking communicator reports ``ncclInProgress``, at most
-        ``timeout`` seconds; then abort it and raise."""
+        ``timeout`` seconds; then abort it and raise.  ``inside``: 1 when the caller is a
+        reader (it then stops, without touching the handle, once abort() has begun)."""
         cdef ncclResult_t st, res = IN_PROGRESS
         cdef ncclComm_t comm = self._comm
         deadline = time.monotonic() + self.timeout
         while True:
+            if inside and self._closing:
+                raise self._aborted_error(what)
             with nogil:
                 st = _CommGetAsyncError(comm, &res)
             _check(st, comm)
@@ -360,7 +378,7 @@ cdef class NcclCommunicator:
                 break
             if time.monotonic() > deadline:
                 try:
-                    self.abort()
+                    self._abort(inside)
                 finally:
                     raise NcclError(IN_PROGRESS, f"{what} did not complete within "
                                     f"{self.timeout:g} s (a peer rank never joined or died); "
@@ -369,10 +387,47 @@ cdef class NcclCommunicator:
         _check(res, comm)
 
     cdef int _done(self, ncclResult_t st, ncclComm_t comm) except -1:
-        if st == IN_PROGRESS and self.nonblocking:
-            self._ready()
-            return 0
-        return _check(st, comm)
+        """Check a reader's NCCL status, then count the reader out (whatever happens).  An
+        error's detail is read from the handle under the lock, never once closing."""
+        try:
+            if st == 0:
+                return 0
+            if st == IN_PROGRESS and self.nonblocking:
+                self._ready("an NCCL call", 1)
+                return 0
+            with self._life:
+                if self._closing:
+                    raise self._aborted_error("an NCCL call")
+                return _check(st, comm)
+        finally:
+            self._leave()
+
+    def _aborted_error(self, what):
+        return NcclError(3, f"{what} was ended: the communicator was aborted or destroyed "
+                            "by another thread (the watchdog, after a timeout or an error)")
+
+    cdef ncclComm_t _enter(self) except? NULL:
+        """Count the caller in as a reader of the handle (raise if closed or closing)."""
+        with self._life:
+            if self._comm == NULL or self._closing:
+                raise RuntimeError("this NCCL communicator was destroyed or aborted")
+            self._readers += 1
+            return self._comm
+
+    cdef void _leave(self):
+        with self._life:
+            self._readers -= 1
+            if self._readers == 0:
+                self._left.notify_all()
+
+    cdef int _close(self, int inside, bint wait) except -1:
+        """(lock held) Stop new readers; with ``wait``, wait for the readers other than
+        the caller's ``inside`` ones to leave (pollers leave within one poll)."""
+        self._closing = True
+        if wait:
+            while self._readers > inside:
+                self._left.wait()
+        return 0
 
     @property
     def ptr(self):
@@ -383,11 +438,6 @@ cdef class NcclCommunicator:
         """False once destroyed or aborted."""
         return self._comm != NULL
 
-    cdef ncclComm_t _live(self) except? NULL:
-        if self._comm == NULL:
-            raise RuntimeError("this NCCL communicator was destroyed or aborted")
-        return self._comm
-
     def destroy(self):
         """Free the communicator after its pending work (idempotent)."""
         if _CommDestroy == NULL:
@@ -397,6 +447,7 @@ cdef class NcclCommunicator:
         with self._life:
             if self._comm == NULL:
                 return
+            self._close(0, True)     # destroy lets the calls in flight finish
             comm, self._comm = self._comm, NULL
             with nogil:
                 st = _CommDestroy(comm)
@@ -404,6 +455,9 @@ cdef class NcclCommunicator:
 
     def abort(self):
         """Abandon pending work and free the communicator (idempotent, GIL released)."""
+        self._abort(0)
+
+    def _abort(self, int inside):
         if _CommAbort == NULL:
             _missing("ncclCommAbort")
         cdef ncclComm_t comm
@@ -411,6 +465,9 @@ cdef class NcclCommunicator:
         with self._life:
             if self._comm == NULL:
                 return
+            # a non-blocking communicator's readers leave at their next poll; a blocking
+            # one's may be stuck in NCCL until ncclCommAbort: do not wait for those
+            self._close(inside, self.nonblocking)
             comm, self._comm = self._comm, NULL
             with nogil:
                 st = _CommAbort(comm)
@@ -442,31 +499,31 @@ cdef class NcclCommunicator:
     def count(self):
         if _CommCount == NULL:
             _missing("ncclCommCount")
-        cdef ncclComm_t comm = self._live()
         cdef int n = 0
         cdef ncclResult_t st
+        cdef ncclComm_t comm = self._enter()
         with nogil:
             st = _CommCount(comm, &n)
-        _check(st, comm)
+        self._done(st, comm)
         return n
 
     def user_rank(self):
         if _CommUserRank == NULL:
             _missing("ncclCommUserRank")
-        cdef ncclComm_t comm = self._live()
         cdef int r = -1
         cdef ncclResult_t st
+        cdef ncclComm_t comm = self._enter()
         with nogil:
             st = _CommUserRank(comm, &r)
-        _check(st, comm)
+        self._done(st, comm)
         return r
 
     def allreduce(self, size_t sendbuf, size_t recvbuf, size_t count, int dtype, int op,
                   size_t stream):
         if _AllReduce == NULL:
             _missing("ncclAllReduce")
-        cdef ncclComm_t comm = self._live()
         cdef ncclResult_t st
+        cdef ncclComm_t comm = self._enter()
         with nogil:
             st = _AllReduce(<const void*>sendbuf, <void*>recvbuf, count, dtype, op, comm,
                             <cudaStream_t>stream)
@@ -476,8 +533,8 @@ cdef class NcclCommunicator:
                size_t stream):
         if _Reduce == NULL:
             _missing("ncclReduce")
-        cdef ncclComm_t comm = self._live()
         cdef ncclResult_t st
+        cdef ncclComm_t comm = self._enter()
         with nogil:
             st = _Reduce(<const void*>sendbuf, <void*>recvbuf, count, dtype, op, root, comm,
                          <cudaStream_t>stream)
@@ -487,8 +544,8 @@ cdef class NcclCommunicator:
                   size_t stream):
         if _Broadcast == NULL:
             _missing("ncclBroadcast")
-        cdef ncclComm_t comm = self._live()
         cdef ncclResult_t st
+        cdef ncclComm_t comm = self._enter()
         with nogil:
             st = _Broadcast(<const void*>sendbuf, <void*>recvbuf, count, dtype, root, comm,
                             <cudaStream_t>stream)
@@ -499,8 +556,8 @@ cdef class NcclCommunicator:
         """``count`` elements from each rank."""
         if _AllGather == NULL:
             _missing("ncclAllGather")
-        cdef ncclComm_t comm = self._live()
         cdef ncclResult_t st
+        cdef ncclComm_t comm = self._enter()
         with nogil:
             st = _AllGather(<const void*>sendbuf, <void*>recvbuf, count, dtype, comm,
                             <cudaStream_t>stream)
@@ -511,8 +568,8 @@ cdef class NcclCommunicator:
         """``count`` elements to each rank."""
         if _ReduceScatter == NULL:
             _missing("ncclReduceScatter")
-        cdef ncclComm_t comm = self._live()
         cdef ncclResult_t st
+        cdef ncclComm_t comm = self._enter()
         with nogil:
             st = _ReduceScatter(<const void*>sendbuf, <void*>recvbuf, count, dtype, op, comm,
                                 <cudaStream_t>stream)
@@ -521,8 +578,8 @@ cdef class NcclCommunicator:
     def send(self, size_t buf, size_t count, int dtype, int peer, size_t stream):
         if _Send == NULL:
             _missing("ncclSend")
-        cdef ncclComm_t comm = self._live()
         cdef ncclResult_t st
+        cdef ncclComm_t comm = self._enter()
         with nogil:
             st = _Send(<void*>buf, count, dtype, peer, comm, <cudaStream_t>stream)
         self._done(st, comm)
@@ -530,8 +587,8 @@ cdef class NcclCommunicator:
     def recv(self, size_t buf, size_t count, int dtype, int peer, size_t stream):
         if _Recv == NULL:
             _missing("ncclRecv")
-        cdef ncclComm_t comm = self._live()
         cdef ncclResult_t st
+        cdef ncclComm_t comm = self._enter()
         with nogil:
             st = _Recv(<void*>buf, count, dtype, peer, comm, <cudaStream_t>stream)
         self._done(st, comm)
