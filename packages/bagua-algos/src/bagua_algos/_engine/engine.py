@@ -77,6 +77,8 @@ def local_flags(out: torch.Tensor, slotted, used: set[int] | None) -> torch.Tens
     if used is None:
         return out.fill_(1)
     local = torch.tensor([id(t) in used for t in slotted], dtype=out.dtype)
+    if out.device.type == "cuda":   # a pageable host-to-device copy synchronises the host
+        return out.copy_(local.pin_memory(), non_blocking=True)
     return out.copy_(local)
 
 
