@@ -184,7 +184,7 @@ def _auto_far(bucket_size):
 
     world = bc.get_world_size()
     # The network the ranks would measure on a far, slow link (no latency on loopback).
-    rec.measure_network = lambda group, time_limit_s: NetworkMeasurement(
+    rec.measure_network = lambda group, time_limit_s, device=None: NetworkMeasurement(
         100.0, 50.0, world, world, 0.0)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(16)])  # 16.8 MB
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -259,3 +259,45 @@ def test_a_known_run_length_caps_sync_every_so_the_run_holds_eight_syncs():
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="total_steps"):
             choose(10, 0, 4, 5.76e6, compute_s=0.29, total_steps=bad)
+
+
+# -- the job's device --------------------------------------------------------------------------
+def _probed_on():
+    from bagua_algos.tuning import recommend as rmod
+
+    seen = []
+    shift, codec = rmod._shift, rmod._codec_seconds
+
+    def shift_seen(buf, out, dst, src, group):
+        seen.append(("probe", str(buf.device), str(out.device)))
+        return shift(buf, out, dst, src, group)
+
+    def codec_seen(numel=rmod._CODEC_PROBE, device=None):
+        seen.append(("codec", str(device)))
+        return codec(numel, device)
+
+    rmod._shift, rmod._codec_seconds = shift_seen, codec_seen
+    rec = recommend(torch.nn.Linear(8, 8), time_limit_s=0.5)
+    return rec.measurement.device, sorted(set(seen)), rec.reason
+
+
+def test_the_network_and_the_codec_are_timed_on_the_jobs_device():
+    """A GPU job must be priced by its own transport and codec kernels: recommend probes on
+    the device of the model's parameters (here the CPU; docs/gpu.md has the GPU command)."""
+    for device, seen, reason in run_ranks(_probed_on, 2, timeout=200):
+        assert device == "cpu"
+        assert seen == [("codec", "cpu"), ("probe", "cpu", "cpu")], seen
+        assert "(on cpu)" in reason
+
+
+def test_a_device_the_job_cannot_communicate_on_is_refused_before_any_collective():
+    with pytest.raises(ValueError, match="device must be the job's 'cpu' or 'cuda' device"):
+        bagua_measure(device="meta")
+    with pytest.raises(ValueError, match="device must be"):
+        recommend(torch.nn.Linear(2, 2, device="meta"))
+
+
+def bagua_measure(**kw):
+    from bagua_algos.tuning.recommend import measure_network
+
+    return measure_network(**kw)

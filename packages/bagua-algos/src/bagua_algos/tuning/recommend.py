@@ -13,6 +13,8 @@ receiver's "ready" notice -- measured 10.7 ms at 5 ms and 101 ms at 50 ms one wa
 then counts latency in units of one such exchange), then growing probes (bandwidth = bytes / (time - latency)) until a probe takes long
 enough to be read or the time budget is spent.  Every rank times its own exchanges; the times
 are reduced with MAX, so every rank holds the same numbers, and rank 0's choice is broadcast.
+The probes and the codec's timing run on the job's device (its parameters'): a GPU job is
+priced by NCCL and the CUDA codec, each timing ending when the GPU is done.
 
 The rule (:func:`choose`) is a cost model of one training step per algorithm, checked against
 the trade-off map (benchmarks/tradeoff.py, docs/tradeoff.md):
@@ -113,6 +115,9 @@ class NetworkMeasurement:
     #: net.ipv4.tcp_slow_start_after_idle on any rank (None: not Linux, unknown).  On, each
     #: step's burst over a far link restarts TCP from its initial window (see the log line)
     tcp_slow_start_after_idle: bool | None = None
+    #: the device the probes and the codec ran on: the job's (its parameters'), so that a GPU
+    #: job is priced by its own transport (NCCL) and its own codec kernels, not gloo and CPU
+    device: str = "cpu"
 
 
 #: Where the switch lives (per network namespace, Linux)
@@ -277,17 +282,28 @@ def _shift(buf: torch.Tensor, out: torch.Tensor, dst: int, src: int, group) -> N
     r.wait()
 
 
-def _codec_seconds(numel: int = _CODEC_PROBE) -> float:
-    """This rank's best of two MinMaxUInt8 compress + decompress of ``numel`` float32s."""
+def _settle(device: torch.device) -> None:
+    """Wait for the device's queued work (a timing on a GPU ends when its kernels have)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _codec_seconds(numel: int = _CODEC_PROBE, device: torch.device | None = None) -> float:
+    """This rank's best of two MinMaxUInt8 compress + decompress of ``numel`` float32s, on
+    ``device`` (the job's: the CUDA kernels for a GPU job)."""
     from bagua_comm.compression import MinMaxUInt8
 
+    device = torch.device("cpu") if device is None else device
     codec = MinMaxUInt8(1)
-    x = torch.randn(numel)
+    x = torch.randn(numel).to(device)
     out = torch.empty_like(x)
+    codec.decompress(codec.compress(x), out)     # first use: kernels compiled, buffers made
     best = float("inf")
     for _ in range(2):
+        _settle(device)
         t = time.monotonic()
         codec.decompress(codec.compress(x), out)
+        _settle(device)
         best = min(best, time.monotonic() - t)
     return best
 
@@ -298,14 +314,26 @@ def _max(values: list[float], group) -> list[float]:
     return t.tolist()
 
 
-def measure_network(group=None, *, time_limit_s: float = 3.0) -> NetworkMeasurement:
+def _job_device(device) -> torch.device:
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be the job's 'cpu' or 'cuda' device (the probes and the "
+                         f"codec run there), got {str(device)!r}")
+    return device
+
+
+def measure_network(group=None, *, time_limit_s: float = 3.0,
+                    device: torch.device | str | None = None) -> NetworkMeasurement:
     """Bandwidth and latency (one tiny exchange) between ranks on different nodes (collective).
 
     Takes at most about ``time_limit_s`` (a probe is only started when the previous one says
-    it fits); every rank returns the same numbers.
+    it fits); every rank returns the same numbers.  ``device`` (default CPU) is the job's:
+    the probes are tensors there (a CUDA device's go through NCCL) and the codec is timed
+    there, each timing ending when the device is done.
     """
     if not time_limit_s > 0:
         raise ValueError(f"time_limit_s must be > 0, got {time_limit_s!r}")
+    device = _job_device(device)
     group = bc.get_default_group() if group is None else group
     rank, world = group.rank, group.size
     local = max(1, bc.get_local_size()) if world % max(1, bc.get_local_size()) == 0 else 1
@@ -314,31 +342,35 @@ def measure_network(group=None, *, time_limit_s: float = 3.0) -> NetworkMeasurem
     dst, src = (rank + stride) % world, (rank - stride) % world
     t0 = time.monotonic()
     if world == 1:
-        return NetworkMeasurement(float("inf"), 0.0, 1, 1, 0.0)
+        return NetworkMeasurement(float("inf"), 0.0, 1, 1, 0.0, device=str(device))
     ssai = _slow_start_after_idle()
-    tiny, tiny_out = torch.zeros(1), torch.zeros(1)
+    tiny, tiny_out = torch.zeros(1, device=device), torch.zeros(1, device=device)
     for _ in range(2):  # connections up, first-use costs paid
         _shift(tiny, tiny_out, dst, src, group)
+    _settle(device)
     rounds = []
     for _ in range(5):
         t = time.monotonic()
         _shift(tiny, tiny_out, dst, src, group)
+        _settle(device)
         rounds.append(time.monotonic() - t)
     # Every rank encodes at once, as in training: processes sharing cores pay for it here.
-    latency, codec, ssai = _max([sorted(rounds)[len(rounds) // 2], _codec_seconds(), ssai],
-                                group)
+    latency, codec, ssai = _max([sorted(rounds)[len(rounds) // 2],
+                                 _codec_seconds(device=device), ssai], group)
     probes, size, spent = [], 64 * 1024, _max([time.monotonic() - t0], group)[0]
     last = 0.0
     while size <= 64 * 1024 * 1024:
         # The next probe takes about (size / previous size) x the previous one, twice over.
         if probes and spent + 2 * 4.5 * last > time_limit_s:
             break
-        buf = torch.zeros(size // 4)
+        buf = torch.zeros(size // 4, device=device)
         out = torch.empty_like(buf)
         best = float("inf")
         for _ in range(2):  # the faster of two: the first may pay TCP's window growth
+            _settle(device)
             t = time.monotonic()
             _shift(buf, out, dst, src, group)
+            _settle(device)
             best = min(best, time.monotonic() - t)
         best, spent = _max([best, time.monotonic() - t0], group)
         probes.append((size, best))
@@ -350,7 +382,8 @@ def measure_network(group=None, *, time_limit_s: float = 3.0) -> NetworkMeasurem
     bandwidth = size * 8 / max(t - latency, 1e-6) / 1e6
     return NetworkMeasurement(bandwidth, latency * 1e3, world, nodes,
                               _max([time.monotonic() - t0], group)[0], probes,
-                              codec / (4 * _CODEC_PROBE), None if ssai < 0 else bool(ssai))
+                              codec / (4 * _CODEC_PROBE), None if ssai < 0 else bool(ssai),
+                              str(device))
 
 
 def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None = None,
@@ -374,13 +407,16 @@ def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None
     if model_bytes is None:
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
                           if p.requires_grad)
+    # the job's device: a GPU job is priced by NCCL and the CUDA codec, not gloo and the CPU
+    device = _job_device(next((p.device for p in model.parameters()), None)
+                         if model is not None else None)
     forced = os.environ.get("BAGUA_ALGORITHM", "").strip()
     if forced and forced != "auto":
         algo = Algorithm.init(forced)
         reason = f"BAGUA_ALGORITHM={forced} overrules the automatic choice"
         return Recommendation(forced, {}, algo, None, reason, {})
     group = bc.get_default_group() if group is None else group
-    m = measurement or measure_network(group, time_limit_s=time_limit_s)
+    m = measurement or measure_network(group, time_limit_s=time_limit_s, device=device)
     name, kwargs, why, scores = choose(m.bandwidth_mbit, m.latency_ms, m.world_size,
                                        model_bytes, compute_s=compute_s, nodes=m.nodes,
                                        total_steps=total_steps,
@@ -390,6 +426,7 @@ def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None
     line = (f"bagua auto: {name}{kwargs} -- {'given' if measurement else 'measured'} "
             f"{m.bandwidth_mbit:.0f} Mbit/s, "
             f"{m.latency_ms:.2f} ms a tiny exchange between {m.nodes} nodes of {m.world_size} ranks"
+            f" (on {m.device})"
             + (f", 8-bit codec {1e-9 / m.codec_s_per_byte:.2f} GB/s"
                if m.codec_s_per_byte else "")
             + f" in {m.elapsed_s:.2f}s; {why}"
