@@ -12,12 +12,17 @@ What one rank cannot check, and so is not claimed here: hierarchical modes (one 
 rank runs flat), the peer exchanges of Decentralized and LowPrecisionDecentralized (nothing is
 sent at world size 1, so their cases below check only the weight copies; the grouping of their
 exchanges is checked on CPU by tests/test_fake_nccl.py).
-AsyncModelAverage averages with itself at one rank: its run must match the default stream's
-like the others (its thread runs on the weights' device and its own stream).  Marked ``gpu``:
-skipped without CUDA, failing instead when BAGUA_TEST_GPU=1.
+TopK, LowRank and AsyncModelAverage exchange nothing at one rank (the first two return before
+their collectives; the averaging thread averages with itself), so a one-rank run of them
+checked nothing its name claimed (issue 46): they run on two ranks sharing the GPU, over
+gloo (NCCL refuses two ranks on one device), each rank on its own batches.  Both ranks must
+end with the same weights (the exchange ran), equal to the default stream's run; the async
+case, whose rounds follow the wall clock, must have averaged (rounds > 0), finite.
+Marked ``gpu``: skipped without CUDA, failing instead when BAGUA_TEST_GPU=1.
 """
 
 import os
+import time
 
 import pytest
 import torch
@@ -55,11 +60,16 @@ CASES = {
     # the 4-bit compressor's CUDA path (torch operations) inside compressed_allreduce
     "bytegrad-4bit-compressor": lambda opt: ByteGrad(hierarchical=False,
                                                      compressor=MinMaxUInt4(1)),
+}
+# These exchange nothing at one rank (TopK and LowRank return before their collectives, the
+# averaging thread averages with itself): they run on two ranks sharing the GPU, over gloo,
+# whose CUDA collectives order themselves after the caller's current stream as NCCL's do.
+TWO_RANK_CASES = {
     # top-k selection, allgathers of indices (with the unused flags) and values, error
     # feedback through the overflow scratch buffer; then 8-bit values and DGC momentum
-    "topk-allgathers-and-residuals": lambda opt: TopK(density=0.1),
+    "topk-allgathers-and-residuals": lambda opt: TopK(density=0.1, hierarchical=False),
     "topk-8bit-values-dgc": lambda opt: TopK(density=0.1, compressor=MinMaxUInt8(1),
-                                             momentum=0.9),
+                                             momentum=0.9, hierarchical=False),
     # the P then Q allreduces chained per matrix, orthogonalisation, warm-started Q
     "low-rank-chained-factors": lambda opt: LowRank(rank=2, min_compression_rate=0),
     # the averaging thread's device, stream and events against the training stream
@@ -73,8 +83,9 @@ def _device():
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _run(case, side_stream):
+def _run(case, side_stream, cases=CASES):
     dev = _device()
+    rank = bc.get_rank()
     model = make_model(0).to(dev)
     if case.startswith("qadam"):
         opt = QAdamOptimizer(model.parameters(), lr=1e-2, warmup_steps=4)
@@ -82,12 +93,12 @@ def _run(case, side_stream):
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    wrapped = with_bagua(model, [opt], CASES[case](opt), bucket_size=256)
+    wrapped = with_bagua(model, [opt], cases[case](opt), bucket_size=256)
     stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
     losses = []
     with torch.cuda.stream(stream):
         for step in range(STEPS):
-            x, y = (t.to(dev, non_blocking=False) for t in batch(step, 0))
+            x, y = (t.to(dev, non_blocking=False) for t in batch(step, rank))
             opt.zero_grad()
             loss = loss_fn(wrapped, x, y)
             if side_stream:
@@ -95,17 +106,22 @@ def _run(case, side_stream):
             loss.backward()
             opt.step()
             losses.append(loss.detach())
+            if case.startswith("async"):
+                time.sleep(0.02)       # the host waits: the averaging thread's rounds run
     torch.cuda.synchronize()
+    exchanged = getattr(wrapped.impl, "rounds", None)
     if case.startswith("async"):
         wrapped.abort()
-    return [p.detach().cpu().clone() for p in model.parameters()], [v.item() for v in losses]
+    wrapped.detach_algorithm()
+    return ([p.detach().cpu().clone() for p in model.parameters()], [v.item() for v in losses],
+            exchanged)
 
 
 def _compare(case):
     assert bc.get_backend() == "nccl", bc.get_backend()
     torch.use_deterministic_algorithms(True)
-    ref, ref_losses = _run(case, side_stream=False)
-    got, losses = _run(case, side_stream=True)
+    ref, ref_losses, _ = _run(case, side_stream=False)
+    got, losses, _ = _run(case, side_stream=True)
     finite = all(torch.isfinite(p).all() for p in got)
     same = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ref, got))
     return finite, same, losses[0], losses[-1], ref_losses[-1]
@@ -120,3 +136,32 @@ def test_one_rank_training_on_a_side_stream_matches_the_default_stream(case):
     assert finite, case
     assert last < first, (case, first, last)
     assert same, (case, last, ref_last)
+
+
+def _compare_two_ranks(case):
+    torch.use_deterministic_algorithms(True)
+    deterministic = not case.startswith("async")     # its rounds follow the wall clock
+    ref, ref_losses, _ = (_run(case, False, TWO_RANK_CASES) if deterministic
+                          else (None, [0.0], None))
+    got, losses, rounds = _run(case, True, TWO_RANK_CASES)
+    finite = all(torch.isfinite(p).all() for p in got)
+    same = deterministic and all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                                 for a, b in zip(ref, got))
+    return finite, same, losses[0], losses[-1], ref_losses[-1], rounds, got
+
+
+@pytest.mark.parametrize("case", list(TWO_RANK_CASES))
+def test_two_ranks_on_one_gpu_training_on_a_side_stream_matches_the_default_stream(case):
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "BAGUA_COMM_BACKEND": "gloo"}
+    r0, r1 = run_ranks(_compare_two_ranks, 2, args=(case,), timeout=600, env=env)
+    # (each rank's loss is on its own batches, step by step: too noisy to go down in 12 steps)
+    for finite, same, _first, last, ref_last, rounds, _ in (r0, r1):
+        assert finite, case
+        if case.startswith("async"):
+            assert rounds and rounds > 0, (case, rounds)    # the ranks averaged
+        else:
+            assert same, (case, last, ref_last)
+    if not case.startswith("async"):
+        # each rank trained on its own batches: equal weights mean the exchange ran
+        for a, b in zip(r0[6], r1[6]):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), case
