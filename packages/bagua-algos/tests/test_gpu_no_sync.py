@@ -4,9 +4,11 @@
 steps run first, outside the check (first-step allocations and one-time set-up may sync).
 
 LowPrecisionDecentralized and DiLoCo/LocalSGD still read one flag per step on the host (is
-this rank's gradient finite: a GradScaler skip must not desynchronise their rounds), and are
-marked as expected failures until that decision is taken on the device (issue 46).  Marked
-``gpu``: skipped without CUDA, failing instead when BAGUA_TEST_GPU=1.
+this rank's gradient finite), and are marked as expected failures: a GradScaler that skips
+the step runs no optimizer hook, so the rank must know at the end of backward to run that
+step's collectives where its peers run them (test_lpd_rounds.py, test_diloco.py); on the
+device the decision would come too late (issue 46, docs/gpu.md).  Marked ``gpu``: skipped
+without CUDA, failing instead when BAGUA_TEST_GPU=1.
 """
 
 import os
