@@ -40,7 +40,7 @@ HIERARCHICAL = {   # 4 ranks, 2 nodes of 2: runner threads on the intra- and int
 }
 
 
-def _job(name, steps, kwargs=None):
+def _job(name, steps, kwargs=None, buffers=False):
     from bagua_comm import testing_nccl
 
     issued: dict[int, set[str]] = {}
@@ -57,6 +57,8 @@ def _job(name, steps, kwargs=None):
     testing_nccl.use_fake_nccl(timeout=10.0)
     rank = bc.get_rank()
     model = make_model(rank + 1)
+    if buffers:    # DiLoCo averages them at each sync's end, while other syncs are in flight
+        model.register_buffer("running", torch.full((3,), float(rank)))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     wrapped = with_bagua(model, [opt], Algorithm.init(name, **(kwargs or ALGORITHMS[name])),
                          bucket_size=256)
@@ -91,3 +93,15 @@ def test_hierarchical_modes_drive_each_communicator_from_one_thread(name):
     for issued in results:
         shared = {k: v for k, v in issued.items() if len(v) > 1}
         assert not shared, (name, shared, issued)
+
+
+def test_hierarchical_diloco_issues_every_nccl_call_of_a_rank_from_one_thread():
+    """Two fragments (one in flight while the other lands) and a buffer to average: the
+    buffer average joins the syncs on the runner's thread, so each rank's calls on all its
+    communicators keep one order, the same on every rank."""
+    kwargs = {"sync_every": 2, "fragments": 2, "hierarchical": True}
+    results = run_ranks(_job, 4, args=("diloco", 8, kwargs, True), timeout=300,
+                        local_world_size=2)
+    for issued in results:
+        assert issued
+        assert len(set().union(*issued.values())) == 1, issued

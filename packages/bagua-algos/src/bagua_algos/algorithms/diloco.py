@@ -336,7 +336,14 @@ class DiLoCoImpl(AlgorithmImpl):
         if self.group.size == 1 or not self.buffers:
             return
         flat = torch.cat([b.detach().reshape(-1).double() for b in self.buffers])
-        bc.allreduce_inplace(flat, bc.ReduceOp.AVG, group=self.group)
+        if self.reducer.hierarchical:
+            # the syncs run on the runner's thread: this collective goes there too, after
+            # them, so that the rank's NCCL calls keep one order (a second thread driving
+            # another communicator at the same time has none agreed between ranks)
+            self.reducer.exchange(
+                lambda: bc.allreduce_inplace(flat, bc.ReduceOp.AVG, group=self.group)).wait()
+        else:
+            bc.allreduce_inplace(flat, bc.ReduceOp.AVG, group=self.group)
         off = 0
         for b in self.buffers:
             b.copy_(flat[off:off + b.numel()].view_as(b))
