@@ -6,11 +6,12 @@ rank.  Each algorithm trains on 2 ranks through the NCCL backend's code path ove
 thread issued it on which communicator: each communicator must have one issuing thread.
 (Lightning's own collectives have a group of their own: bagua_algos.lightning.)
 
-Not checked here, and not guaranteed (docs/gpu.md): the order between *different*
-communicators driven from two threads at once (the averaging thread's group against the
-training thread's buffer broadcasts; a runner's sync against DiLoCo's buffer average); a model
-with buffers gives the training thread collectives of its own, ordered after a runner's jobs
-of the same communicator only by the engine's wait at the end of backward.
+Hierarchical DiLoCo with a buffer and two fragments issues every call of a rank from one
+thread (its buffer average joins the syncs on the runner).  Not guaranteed (docs/gpu.md): the
+order between *different* communicators driven from two threads at once (AsyncModelAverage's
+group against the training thread's buffer broadcasts); a model with buffers gives the
+training thread collectives of its own, ordered after a runner's jobs of the same
+communicator only by the engine's wait at the end of backward.
 """
 
 import threading
