@@ -20,6 +20,7 @@ def extensions():
         Extension("bagua_comm._minmax", ["src/bagua_comm/_minmax.pyx"],
                   depends=["src/bagua_comm/_minmax_simd.h"],
                   extra_compile_args=KERNEL_FLAGS),
+        Extension("bagua_comm._launch", ["src/bagua_comm/_launch.pyx"]),
     ], language_level=3, compiler_directives={"boundscheck": False, "wraparound": False})
 
 

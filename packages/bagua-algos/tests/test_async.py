@@ -1,5 +1,6 @@
 """AsyncModelAverage: warmup allreduce, background averaging, agreed abort, resume."""
 
+import threading
 import time
 
 import pytest
@@ -26,6 +27,16 @@ def _async_average():
     impl = model.impl
     out = {"before": eval_loss(model, world)}
     step = 0
+    from bagua_comm._backends import gloo
+
+    real_finish, main_thread_calls = gloo.finish, []
+
+    def counted(works, *args, **kwargs):     # collectives issued by the training thread
+        if threading.current_thread() is threading.main_thread():
+            main_thread_calls.append(step)
+        return real_finish(works, *args, **kwargs)
+
+    gloo.finish = counted
     for step in range(40):
         opt.zero_grad()
         loss_fn(model, *batch(step, rank)).backward()
@@ -34,6 +45,8 @@ def _async_average():
             out["after_warmup"] = params(model)      # synchronous so far: thread not started
             out["thread_before_warmup_end"] = impl.thread is not None
         time.sleep(0.002)
+    gloo.finish = real_finish
+    out["training_thread_collective_steps"] = sorted(set(main_thread_calls))
     out["after"] = eval_loss(model, world)
     # Both ranks idle: two further rounds make model + pending the exact average.
     bc.barrier()
@@ -73,6 +86,13 @@ def test_warmup_allreduces_gradients_synchronously(results):
     a, b = results
     assert not a["thread_before_warmup_end"]
     assert all(torch.equal(x, y) for x, y in zip(a["after_warmup"], b["after_warmup"]))
+
+
+def test_no_gradient_collective_after_warmup(results):
+    # after its warm-up the training thread communicates nothing: its gradients stay local
+    # (the background thread averages the weights); the warm-up steps allreduce them
+    for r in results:
+        assert r["training_thread_collective_steps"] == list(range(WARMUP))
 
 
 def test_background_averaging_converges(results):

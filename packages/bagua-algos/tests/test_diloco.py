@@ -18,22 +18,41 @@ from bagua_comm.testing import run_ranks
 STEPS = 9
 
 
+_COUNTING: list = []      # the lists of the _counting_collectives() contexts now open
+
+
 @contextlib.contextmanager
 def _counting_collectives():
-    """Every collective the gloo backend issues meanwhile (an empty one included)."""
+    """Every collective the gloo backend issues meanwhile (an empty one included), also those
+    started by an ``allreduce_launcher`` made while a context was open (it outlives it)."""
     from bagua_comm._backends import gloo
 
-    calls, real = [], gloo.finish
+    calls, real, real_launcher = [], gloo.finish, gloo.GlooBackend.allreduce_launcher
 
     def counted(works, *args, **kwargs):
         calls.append(len(works))
         return real(works, *args, **kwargs)
 
+    def counted_launcher(self, *args):
+        fast = real_launcher(self, *args)
+        if fast is None:
+            return None
+
+        def start():
+            if _COUNTING:
+                _COUNTING[-1].append(1)
+            return fast()
+        return start
+
     gloo.finish = counted
+    gloo.GlooBackend.allreduce_launcher = counted_launcher
+    _COUNTING.append(calls)
     try:
         yield calls
     finally:
+        _COUNTING.pop()
         gloo.finish = real
+        gloo.GlooBackend.allreduce_launcher = real_launcher
 
 
 def _train(algo_kwargs, inner="sgd", steps=STEPS, local=False, device="cpu", autotune=False):

@@ -27,6 +27,7 @@ rebuilds the per-bucket state from it; the defaults go through ``state_dict`` an
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -227,6 +228,17 @@ class AlgorithmImpl:
         """In backward: every gradient of ``bucket`` is in ``bucket.grad``. Start its
         communication and return a handle with ``wait()`` (or None if done already)."""
         return None
+
+    def bucket_launchers(self, ctx: BaguaContext, buckets: list[BaguaBucket]) -> list:
+        """Per bucket of ``buckets`` (the current layout), ``(divisor, start)`` for this step:
+        :meth:`grad_divisor`'s answer and a no-argument callable that does what
+        :meth:`bucket_ready_hook` does (start the communication, return a handle with
+        ``wait()`` or None).  Asked once per step, as the first bucket starts; an algorithm
+        whose answers do not change from step to step may return the same list object again
+        (the engine then reuses what it derived from it).  The default asks
+        :meth:`grad_divisor` and calls :meth:`bucket_ready_hook`."""
+        return [(self.grad_divisor(b), functools.partial(self.bucket_ready_hook, ctx, b))
+                for b in buckets]
 
     def post_backward_hook(self, ctx: BaguaContext) -> None:
         """End of backward: every bucket's communication has completed."""

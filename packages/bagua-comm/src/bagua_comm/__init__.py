@@ -17,6 +17,7 @@ from .primitives import (
     allgather_inplace,
     allreduce,
     allreduce_inplace,
+    allreduce_launcher,
     alltoall,
     alltoall_inplace,
     alltoall_v,
@@ -53,7 +54,7 @@ from .work import Work
 
 __all__ = [
     "Bucket", "NcclError", "P2POp", "ProcessGroup", "ReduceOp", "Work", "__version__",
-    "allgather", "allgather_inplace", "allreduce", "allreduce_inplace", "alltoall",
+    "allgather", "allgather_inplace", "allreduce", "allreduce_inplace", "allreduce_launcher", "alltoall",
     "alltoall_inplace", "alltoall_v", "barrier", "batch_isend_irecv", "broadcast", "broadcast_object", "bucket",
     "compressed_allreduce", "compression", "destroy_process_group", "gather", "gather_inplace",
     "get_backend", "get_default_group", "get_local_rank", "get_local_size", "get_node_rank",

@@ -9,6 +9,7 @@ otherwise it returns once the result is in place.
 
 from __future__ import annotations
 
+import functools
 import pickle
 from typing import Any, NamedTuple
 
@@ -190,6 +191,24 @@ def allreduce_inplace(tensor, op=ReduceOp.SUM, *, group=None, async_op=False):
     traffic.record("allreduce", 2 * tensor.numel() * tensor.element_size() * (n - 1) / n)
     return g.backend_for(tensor).allreduce(tensor, tensor, op, async_op)
 
+
+
+def allreduce_launcher(tensor, op=ReduceOp.SUM, *, group=None):
+    """A callable that starts ``allreduce_inplace(tensor, op, group=group, async_op=True)``
+    each time it is called (no argument) and returns its handle, for a buffer reduced again
+    and again (a gradient bucket): the arguments are checked once, here.  On gloo, for a
+    reduction gloo runs natively (not AVG, not 16-bit floats), a call costs no Python: it
+    returns torch's own ``Work`` (``wait()``, ``is_completed()``)."""
+    g = V.group(group)
+    V.tensor("tensor", tensor, g)
+    op = V.op(op, tensor.dtype)
+    tensor = _data(tensor)
+    n = g.size
+    nbytes = 2 * tensor.numel() * tensor.element_size() * (n - 1) / n
+    fast = g.backend_for(tensor).allreduce_launcher(tensor, op, nbytes)
+    if fast is not None:
+        return fast
+    return functools.partial(allreduce_inplace, tensor, op, group=g, async_op=True)
 
 # -- gather / scatter ----------------------------------------------------------------------
 def allgather(send, recv, *, group=None, async_op=False):

@@ -7,6 +7,8 @@ import torch
 
 from bagua_comm.bucket import Bucket
 
+from . import _hot
+
 
 def _same_storage(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     return a is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape
@@ -139,22 +141,8 @@ class BaguaBucket:
         divided by ``divide_by`` if given, as DDP's reducer divides: a multiplication by the
         scalar ``1 / divide_by`` (rounded to the gradient's dtype), fused into the copy a
         gradient that is not yet a view of ``grad`` needs anyway (one pass, not two)."""
-        scale = None if divide_by is None else 1.0 / divide_by
-        with torch.no_grad():
-            for p, v in zip(self.params, self._grad_views):
-                g = p.grad
-                if g is None:
-                    v.zero_()
-                elif self.flatten and _same_storage(g, v):
-                    if scale is not None:
-                        v.mul_(scale)
-                    continue
-                elif scale is not None:
-                    torch.mul(g, scale, out=v)
-                else:
-                    v.copy_(g)
-                if self.flatten:
-                    p.grad = v
+        _hot.gather_grads(self.params, self._grad_views, self.flatten,
+                          None if divide_by is None else 1.0 / divide_by)
 
     def adopt_grads(self) -> None:
         """Copy existing gradients into ``grad`` (and, flattened, re-point them at it): a

@@ -16,13 +16,14 @@ here: :attr:`~StepEngine.buckets`, :attr:`~StepEngine.bucket_size`, :attr:`~Step
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
-from torch.autograd import Variable
 
 import bagua_comm as bc
 
+from . import _hot
 from .bucket import BaguaBucket
 from .checks import dtype_changed_error, late_accumulation_error, sparse_gradient_error
 from .comm import broadcast_tensors
@@ -201,15 +202,10 @@ class StepEngine:
         self.joining: dict | None = None
         self.tuner = None
         self.hooks: list = []
-        self._handles: list = []
-        self._cb_queued = False
-        self._ready: set[int] = set()
-        self._fires: dict[int, int] = {}           # this backward's accumulations per tensor
-        self._expected_fires: dict[int, int] = {}  # the most seen in one backward (if > 1)
-        self._comm_stream = None
+        # the per-gradient state and hooks (compiled): readiness, launch, end of backward;
         # bucket order: the gradient-ready order of the first synchronised backward (as DDP)
-        self._observing = True
-        self._observed: list[int] = []
+        self._loop = _hot.ReadyLoop(self)
+        self._comm_stream = None
         self._order_pending = False
         module = ctx.module
         # Embedding(sparse=True) weights under an algorithm that averages them by a sparse
@@ -229,7 +225,6 @@ class StepEngine:
         # synchronised one with autograd on (require_forward_param_sync): the first
         # micro-batch of a no_sync() cycle, an evaluation forward right after a step
         self._buffers_due = True
-        self._used_nosync: set[int] = set()    # gradients accumulated under no_sync()
         self._carried = False      # this step's flags ride in the last bucket's allreduce
         # DDP's first iteration: one bucket per dtype in registration order, until the
         # gradient-ready order of the first synchronised backward is known (then DDP's rule)
@@ -248,7 +243,7 @@ class StepEngine:
     def busy(self) -> bool:
         """Whether a backward is under way (its end-of-backward callback queued or bucket
         communication in flight): re-bucketing must wait, a fault-tolerant step is dirty."""
-        return self._cb_queued or bool(self._handles)
+        return self._loop.cb_queued or bool(self._loop.handles)
 
     def _bucketed(self, tensors) -> list[torch.Tensor]:
         """``tensors`` less the sparse-gradient weights averaged on their own."""
@@ -265,10 +260,8 @@ class StepEngine:
     def _set_buckets(self, buckets) -> None:
         self.buckets = buckets
         self.ctx.buckets = buckets
-        self._bucket_of = {id(p): b.index for b in buckets for p in b.params}
         self._slotted = [p for b in buckets for p in b.params]   # flag slot order
-        self._pending = [len(b.params) for b in buckets]
-        self._next = 0
+        self._loop.set_buckets(buckets)
 
     def rebucket(self, bucket_size: int) -> None:
         """Collective: re-group into buckets of ``bucket_size`` bytes, carrying the
@@ -299,8 +292,8 @@ class StepEngine:
         takes its order; rank 0 unless joining ranks had none), and rebuild the buckets in
         that order.  A rank that has seen no backward yet takes it too, and observes no
         more: the layout is fixed once, on every rank alike."""
-        self._order_pending = self._observing = False
-        observed, self._observed = self._observed, []
+        self._order_pending = self._loop.observing = False
+        observed, self._loop.observed = self._loop.observed, []
         if not self.impl.uses_grad_buckets:   # weight buckets: readiness order is moot
             return
         order = learnt_order(observed, self._tensors, self.group, src)
@@ -317,9 +310,9 @@ class StepEngine:
     def _register_hooks(self) -> None:
         self.hooks.append(self.owner.register_forward_pre_hook(self._forward_pre_hook))
         for p in self._tensors:
-            self.hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+            self.hooks.append(p.register_post_accumulate_grad_hook(self._loop))
         for p in self._sparse:
-            self.hooks.append(p.register_post_accumulate_grad_hook(self._sparse_ready))
+            self.hooks.append(p.register_post_accumulate_grad_hook(self._loop.sparse_ready))
         for opt in self.optimizers:
             self.hooks.append(opt.register_step_post_hook(self._optimizer_stepped))
 
@@ -389,12 +382,13 @@ class StepEngine:
             for p in sparse_parameters(self.owner.module):
                 if id(p) not in had:      # an Embedding(sparse=True) unfrozen: on its own
                     self._sparse.append(p)
-                    self.hooks.append(p.register_post_accumulate_grad_hook(self._sparse_ready))
+                    self.hooks.append(
+                        p.register_post_accumulate_grad_hook(self._loop.sparse_ready))
         self._tensors = self._bucketed(self.impl.init_tensors(self.ctx))
         self._set_names()
         for p in self._tensors:
             if id(p) not in known:
-                self.hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+                self.hooks.append(p.register_post_accumulate_grad_hook(self._loop))
         self._relayout(self.bucket_size)
 
     # -- backward -----------------------------------------------------------------------------
@@ -404,74 +398,43 @@ class StepEngine:
         one, so that the inner backward passes of reentrant activation checkpointing do not
         each end a step."""
         for t in _each_grad_tensor(out):
-            t.register_hook(self._output_grad)
+            t.register_hook(self._loop.output_grad)
 
-    def _queue_end(self) -> None:
-        self._cb_queued = True
-        Variable._execution_engine.queue_callback(self._backward_end)
+    # -- called by the compiled loop (``_hot.ReadyLoop``) ------------------------------------
+    def _plan(self) -> list:
+        """Per bucket, ``(scale, start)`` for this step: the factor its gradients are
+        multiplied by while gathered (None: none) and the no-argument callable that starts
+        its communication (on the side stream for a CUDA bucket).  Asked once per step."""
+        launchers = self.impl.bucket_launchers(self.ctx, self.buckets)
+        if launchers is self._plan_of:
+            return self._plan_cache
+        plan = []
+        for b, (divisor, start) in zip(self.buckets, launchers):
+            if b.device.type == "cuda":
+                start = functools.partial(self._on_stream, b.device, start)
+            plan.append((None if divisor is None else 1.0 / divisor, start))
+        self._plan_of, self._plan_cache = launchers, plan
+        return plan
 
-    def _output_grad(self, _grad) -> None:
-        if self.sync and not self._cb_queued:
-            self._queue_end()
+    _plan_of = _plan_cache = None
 
-    def _grad_ready(self, param) -> None:
-        if param.grad is not None and param.grad.is_sparse and self.impl.uses_grad_buckets:
-            raise sparse_gradient_error(self.name_of(param), self.algorithm)
-        if not self.sync:
-            self._used_nosync.add(id(param))
-            return
-        if not self._cb_queued:           # outputs not hooked (used without forward)
-            self._queue_end()
-        key = id(param)
-        i = self._bucket_of.get(key)
-        if i is None:
-            return
-        # A weight used in several reentrant-checkpointed segments (a shared block) has its
-        # gradient accumulated, and this hook run, once per segment: it is ready after the
-        # most accumulations seen in a backward (learnt in the first one, which launches
-        # nothing before its end, as DDP's static_graph), not after the first.
-        n = self._fires[key] = self._fires.get(key, 0) + 1
-        if n == 1:
-            self._ready.add(key)
-            if self._observing:
-                self._observed.append(key)
-        expected = self._expected_fires.get(key, 1)
-        if n > expected:
-            self._expected_fires[key] = n
-            if i < self._next:
-                raise late_accumulation_error(self.name_of(param), n, expected)
-            return
-        if n < expected:
-            return
-        self._pending[i] -= 1
-        if self._pending[i] == 0 and not self._observing:
-            self._launch(force=False)
+    def _last_bucket(self, bucket: BaguaBucket) -> None:
+        """Before the last bucket starts (every rank knows its flags now): the flags ride in
+        its collective when the algorithm carries them."""
+        self._carried = self.impl.carries_unused_flags(self.ctx)
+        if self._carried:
+            self._local_flags(bucket.flags)
 
-    def _sparse_ready(self, _param) -> None:
-        """A sparse-gradient weight's gradient arrived: it is averaged at the end of backward
-        (under ``no_sync()`` it accumulates, as DDP's does)."""
-        if self.sync and not self._cb_queued:
-            self._queue_end()
+    def _gather_failed(self, bucket: BaguaBucket, err: RuntimeError) -> None:
+        changed = dtype_changed_error(bucket, self.name_of)
+        if changed is not None:
+            raise changed from err
 
-    def _launch(self, force: bool) -> None:
-        """Start buckets in index order (the same on every rank), as far as they are ready."""
-        while self._next < len(self.buckets) and (force or self._pending[self._next] == 0):
-            b = self.buckets[self._next]
-            self._next += 1
-            if not self.impl.uses_grad_buckets:
-                continue
-            try:
-                b.gather_grads(self.impl.grad_divisor(b))
-            except RuntimeError as err:
-                changed = dtype_changed_error(b, self.name_of)
-                if changed is None:
-                    raise
-                raise changed from err
-            if b.flags is not None:     # the last bucket: every rank knows its flags now
-                self._carried = self.impl.carries_unused_flags(self.ctx)
-                if self._carried:
-                    self._local_flags(b.flags)
-            self._handles.append((b, self.start_bucket(b)))
+    def _sparse_error(self, param) -> Exception:
+        return sparse_gradient_error(self.name_of(param), self.algorithm)
+
+    def _late_error(self, param, n: int, expected: int) -> Exception:
+        return late_accumulation_error(self.name_of(param), n, expected)
 
     def start_bucket(self, bucket: BaguaBucket):
         """Start the algorithm's communication of a ready ``bucket`` (on the side stream for
@@ -481,12 +444,16 @@ class StepEngine:
         return self.impl.bucket_ready_hook(self.ctx, bucket)
 
     def _launch_on_stream(self, bucket):
+        return self._on_stream(bucket.device, functools.partial(self.impl.bucket_ready_hook,
+                                                                self.ctx, bucket))
+
+    def _on_stream(self, device, start):
         # No host synchronisation: the side stream waits for the gradients on the GPU.
         if self._comm_stream is None:
-            self._comm_stream = torch.cuda.Stream(device=bucket.device)
-        self._comm_stream.wait_stream(torch.cuda.current_stream(bucket.device))
+            self._comm_stream = torch.cuda.Stream(device=device)
+        self._comm_stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._comm_stream):
-            return self.impl.bucket_ready_hook(self.ctx, bucket)
+            return start()
 
     def shadow_backward(self) -> None:
         """A joined rank's backward (no data): every bucket in index order with a zero
@@ -504,11 +471,13 @@ class StepEngine:
     # -- end of backward ----------------------------------------------------------------------
     def _backward_end(self) -> None:
         check = None
+        loop = self._loop
+        handles = loop.handles
         try:
             grads = self.impl.uses_grad_buckets
-            none_before = (missing_grads(self._slotted, self._ready, self._used_nosync)
+            none_before = (missing_grads(self._slotted, loop.ready, loop.used_nosync)
                            if grads else None)
-            self._launch(force=True)
+            loop.launch(True)
             # The flags rode in the last bucket's allreduce (GradientAllReduce: one collective
             # per step), or are reduced in a collective of their own: beside the buckets'
             # communication where the algorithm leaves the group's channel free
@@ -520,7 +489,7 @@ class StepEngine:
             own_check = grads and self.buckets and not self._carried
             if own_check and self.impl.unused_check_beside:
                 check = self._unused_check()
-            for _, handle in self._handles:
+            for _, handle in handles:
                 if handle is not None:
                     handle.wait()
             if own_check and check is None:
@@ -528,8 +497,9 @@ class StepEngine:
             if self._comm_stream is not None:     # GPU: order, don't block the host
                 torch.cuda.current_stream(self._comm_stream.device).wait_stream(
                     self._comm_stream)
-            for b, _ in self._handles:
-                b.scatter_grads()
+            for b, _ in handles:
+                if not b.flatten:
+                    b.scatter_grads()
             if check is not None:
                 check[1].wait()
             if none_before:
@@ -539,15 +509,9 @@ class StepEngine:
                 reduce_sparse(self._sparse, self.group, self._sparse_average)
         finally:
             self._carried = False
-            self._handles.clear()
-            self._ready.clear()
-            self._fires.clear()
-            self._used_nosync.clear()
-            self._pending = [len(b.params) for b in self.buckets]
-            self._next = 0
-            self._cb_queued = False
-            if self._observing:
-                self._observing = False
+            loop.reset()
+            if loop.observing:
+                loop.observing = False
                 self._order_pending = True
         self.impl.post_backward_hook(self.ctx)
 
@@ -557,7 +521,7 @@ class StepEngine:
     _last_used: set[int] | None = None
 
     def _local_flags(self, out: torch.Tensor) -> torch.Tensor:
-        self._last_used = used_tensors(self._slotted, self._ready, self._used_nosync)
+        self._last_used = used_tensors(self._slotted, self._loop.ready, self._loop.used_nosync)
         return local_flags(out, self._slotted, self._last_used)
 
     def _unused_check(self):

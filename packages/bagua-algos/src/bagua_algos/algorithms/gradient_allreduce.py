@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import bagua_comm as bc
 
 from .._engine.checks import check_bool
@@ -41,6 +43,7 @@ class GradientAllReduceImpl(AlgorithmImpl):
         super().__init__(group)
         self.op = bc.ReduceOp.AVG if average else bc.ReduceOp.SUM
         self.reducer = Reducer(group, hierarchical, "bagua-allreduce")
+        self._launchers: tuple | None = None     # (buckets, hierarchical, launchers)
 
     @property
     def hierarchical(self) -> bool:
@@ -77,6 +80,28 @@ class GradientAllReduceImpl(AlgorithmImpl):
         if self.grad_divisor(bucket) is not None:      # divided while gathering
             return self.reducer.allreduce(buf, bc.ReduceOp.SUM)
         return self.reducer.allreduce(buf, self.op)
+
+    def bucket_launchers(self, ctx, buckets):
+        """The same list at every step of a layout and mode: flat, each bucket's allreduce is
+        a :func:`bagua_comm.allreduce_launcher` (on gloo, torch's own collective, no Python);
+        hierarchical, the reducer's chain.  What :meth:`bucket_ready_hook` does."""
+        hier = self.reducer.hierarchical
+        cached = self._launchers
+        if cached is not None and cached[0] is buckets and cached[1] == hier:
+            return cached[2]
+        carried = self.carries_unused_flags(ctx)
+        out = []
+        for b in buckets:
+            buf = b.grad_and_flags if carried else b.grad
+            divisor = self.grad_divisor(b)
+            op = bc.ReduceOp.SUM if divisor is not None else self.op
+            if hier:
+                start = functools.partial(self.reducer.allreduce, buf, op)
+            else:
+                start = bc.allreduce_launcher(buf, op, group=self.group)
+            out.append((divisor, start))
+        self._launchers = (buckets, hier, out)
+        return out
 
     def autotune_knobs(self):
         """Knobs the autotuner may switch between steps: ``hierarchical`` averages either

@@ -20,6 +20,7 @@ The contract every backend implements (``tests/test_backends.py`` runs it agains
   send_rows)`` sends row ``j`` to group rank ``j`` and receives row ``j`` from it (an
   alltoall; an allgather when every send row is the same tensor), and ``scratch(tag, numel,
   dtype)`` returns a buffer of the group's pool, reused by the next call of the same shape.
+* ``allreduce_launcher(tensor, op, nbytes)``: optional (None by default), see there.
 * ``close(abort=False)`` releases what the backend holds (threads, communicators).
 """
 
@@ -63,6 +64,12 @@ class Backend:
     def allreduce(self, send, recv, op, async_op):
         """``recv`` = reduction of every rank's ``send`` (``recv`` may be ``send``)."""
         raise NotImplementedError
+
+    def allreduce_launcher(self, tensor, op, nbytes):
+        """A no-argument callable that starts ``allreduce(tensor, tensor, op, True)`` and
+        records ``nbytes`` of traffic without entering Python, or None (the default: the
+        primitive's own path is used)."""
+        return None
 
     def allgather(self, send, recv, async_op):
         raise NotImplementedError

@@ -93,6 +93,16 @@ class GlooBackend(Backend):
         h, then = self._reduction(recv, op, lambda t: self.pg.allreduce([t], opts))
         return finish([h], then, async_op)
 
+    def allreduce_launcher(self, tensor, op, nbytes):
+        """A :class:`bagua_comm._launch.Launcher` of ``pg.allreduce`` on ``tensor``, or None
+        where the reduction needs Python around it (AVG's division, a 16-bit float copy)."""
+        if op is ReduceOp.AVG or tensor.dtype in _HALF:
+            return None
+        from .._launch import Launcher
+
+        return Launcher(self.pg.allreduce, [tensor], self._reduce_opts[op], "allreduce",
+                        nbytes)
+
     def reduce(self, tensor, dst, op, async_op):
         opts = _opts(dist.ReduceOptions, reduceOp=to_torch(op), rootRank=dst, rootTensor=0)
         h, then = self._reduction(tensor, op, lambda t: self.pg.reduce([t], opts))

@@ -1,0 +1,190 @@
+"""The step engine's hot loop (what torch DDP's C++ ``Reducer`` does per gradient), compiled:
+the per-parameter gradient-ready hook, readiness counting per bucket, the in-order launch of
+ready buckets, end-of-backward detection, and the copy of gradients into a bucket.
+
+In the steady state a backward enters Python only once per step (the engine's plan of
+bucket starters, its end-of-backward callback and the last bucket's flags); the per-bucket
+starter of GradientAllReduce is C as well (:func:`bagua_comm.allreduce_launcher`).
+:class:`ReadyLoop` keeps the per-step state; the Python engine (``engine.py``) owns the
+buckets, the layout and everything that is not per gradient.
+"""
+
+import torch
+from torch.autograd import Variable
+
+_is_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+_mul = torch.mul
+
+
+def gather_grads(list params, list views, bint flatten, scale):
+    """Make ``views`` (a bucket's gradient slots) hold ``params``' gradients (a missing one
+    counts as 0), multiplied by ``scale`` unless it is None, the multiplication fused into
+    the copy a gradient that is not yet a view of its slot needs anyway; with ``flatten``
+    each gradient becomes its slot."""
+    cdef bint grad_mode = _is_grad_enabled()
+    if grad_mode:
+        _set_grad_enabled(False)
+    try:
+        for p, v in zip(params, views):
+            g = p.grad
+            if g is None:
+                v.zero_()
+            elif flatten and g.data_ptr() == v.data_ptr() and g.shape == v.shape:
+                if scale is not None:
+                    v.mul_(scale)
+                continue
+            elif scale is not None:
+                _mul(g, scale, out=v)
+            else:
+                v.copy_(g)
+            if flatten:
+                p.grad = v
+    finally:
+        if grad_mode:
+            _set_grad_enabled(True)
+
+
+cdef class ReadyLoop:
+    """Per-step readiness of one engine's buckets.  Call it as a parameter's
+    post-accumulate-grad hook; :meth:`output_grad` is the hook on a forward's outputs,
+    :meth:`sparse_ready` that of a weight averaged on its own.
+
+    The engine (``engine``) provides ``sync`` and ``impl.uses_grad_buckets`` (read at each
+    use: an algorithm may switch gradient buckets on and off between steps, as
+    AsyncModelAverage after its warm-up), ``_backward_end`` (queued as the
+    end-of-backward callback), ``_plan()`` (per bucket ``(scale, start)``, asked once per
+    step at the first launch), ``_last_bucket(b)`` (the last bucket's flags, before it
+    starts), ``_gather_failed(b, err)``, ``_sparse_error(p)`` and ``_late_error(p, n, e)``
+    (each raises).
+    """
+
+    cdef object engine
+    cdef object impl
+    cdef object _queue_callback
+    cdef object _end
+    cdef public list buckets
+    cdef public dict bucket_of       # id(tensor) -> bucket index
+    cdef list counts                 # per bucket: its tensors
+    cdef public list pending         # per bucket: tensors not ready yet in this backward
+    cdef public Py_ssize_t next      # the next bucket to start
+    cdef public bint cb_queued
+    cdef public bint observing       # first synchronised backward: learn the order
+    cdef public list observed
+    cdef public set ready            # ids that got a gradient in this backward
+    cdef public set used_nosync      # ids that got one under no_sync()
+    cdef public dict fires           # this backward's accumulations per tensor
+    cdef public dict expected_fires  # the most seen in one backward (if > 1)
+    cdef public list handles         # (bucket, handle) started in this backward
+    cdef public object plan
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.impl = engine.impl
+        self._queue_callback = Variable._execution_engine.queue_callback
+        self._end = engine._backward_end
+        self.cb_queued = False
+        self.observing = True
+        self.observed = []
+        self.ready = set()
+        self.used_nosync = set()
+        self.fires = {}
+        self.expected_fires = {}
+        self.handles = []
+        self.plan = None
+        self.set_buckets([])
+
+    def set_buckets(self, list buckets):
+        """A new layout (between steps)."""
+        self.buckets = buckets
+        self.bucket_of = {id(p): b.index for b in buckets for p in b.params}
+        self.counts = [len(b.params) for b in buckets]
+        self.pending = list(self.counts)
+        self.next = 0
+        self.plan = None
+
+    def reset(self):
+        """The end of a backward: ready for the next one."""
+        self.handles = []
+        self.ready.clear()
+        self.fires.clear()
+        self.used_nosync.clear()
+        self.pending = list(self.counts)
+        self.next = 0
+        self.plan = None
+        self.cb_queued = False
+
+    cdef void _queue_end(self) except *:
+        self.cb_queued = True
+        self._queue_callback(self._end)
+
+    def output_grad(self, _grad):
+        """Hook on a synchronised forward's outputs: the backward that reaches them (the
+        outermost one) ends the step."""
+        if self.engine.sync and not self.cb_queued:
+            self._queue_end()
+
+    def sparse_ready(self, _param):
+        """A sparse-gradient weight's gradient arrived (averaged at the end of backward)."""
+        if self.engine.sync and not self.cb_queued:
+            self._queue_end()
+
+    def __call__(self, param):
+        grad = param.grad
+        if grad is not None and grad.is_sparse and self.impl.uses_grad_buckets:
+            raise self.engine._sparse_error(param)
+        key = id(param)
+        if not self.engine.sync:
+            self.used_nosync.add(key)
+            return
+        if not self.cb_queued:           # outputs not hooked (used without forward)
+            self._queue_end()
+        i = self.bucket_of.get(key)
+        if i is None:
+            return
+        # A weight used in several reentrant-checkpointed segments (a shared block) has its
+        # gradient accumulated, and this hook run, once per segment: it is ready after the
+        # most accumulations seen in a backward (learnt in the first one, which launches
+        # nothing before its end, as DDP's static_graph), not after the first.
+        n = self.fires.get(key, 0) + 1
+        self.fires[key] = n
+        if n == 1:
+            self.ready.add(key)
+            if self.observing:
+                self.observed.append(key)
+        expected = self.expected_fires.get(key, 1)
+        if n > expected:
+            self.expected_fires[key] = n
+            if i < self.next:
+                raise self.engine._late_error(param, n, expected)
+            return
+        if n < expected:
+            return
+        cdef Py_ssize_t j = i
+        left = self.pending[j] - 1
+        self.pending[j] = left
+        if left == 0 and not self.observing:
+            self.launch(False)
+
+    cpdef launch(self, bint force):
+        """Start buckets in index order (the same on every rank), as far as they are ready
+        (all of them when ``force``)."""
+        cdef Py_ssize_t n = len(self.buckets)
+        cdef Py_ssize_t i
+        while self.next < n and (force or self.pending[self.next] == 0):
+            i = self.next
+            b = self.buckets[i]
+            self.next = i + 1
+            if not self.impl.uses_grad_buckets:
+                continue
+            if self.plan is None:
+                self.plan = self.engine._plan()
+            scale, start = self.plan[i]
+            try:
+                gather_grads(b.params, b._grad_views, b.flatten, scale)
+            except RuntimeError as err:
+                self.engine._gather_failed(b, err)
+                raise
+            if b.flags is not None:      # the last bucket: every rank knows its flags now
+                self.engine._last_bucket(b)
+            self.handles.append((b, start()))
