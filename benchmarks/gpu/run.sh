@@ -46,6 +46,7 @@ run_step() {  # run_step NAME TIMEOUT_S CMD...: log to $LOGS/NAME.log, record st
 }
 
 built() { ls packages/bagua-comm/src/bagua_comm/_nccl*.so >/dev/null 2>&1 &&
+          ls packages/bagua-algos/src/bagua_algos/_engine/_hot*.so >/dev/null 2>&1 &&
           [ -f packages/bagua-net/src/bagua_net/libnccl-net-bagua.so ]; }
 
 step_setup() {
@@ -54,7 +55,7 @@ step_setup() {
   $PY -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda, '| GPU', torch.cuda.is_available() and torch.cuda.get_device_name())"
   $PY -c "import cupy; print('cupy', cupy.__version__, '| devices', cupy.cuda.runtime.getDeviceCount())" 2>&1 | tail -1
   $PY -c "import pytest, pytest_timeout, lightning; print('pytest', pytest.__version__, '| lightning', lightning.__version__)" || return 1
-  echo "--- build bagua-comm extensions in place (no project metadata: any setuptools)"
+  echo "--- build bagua-comm and bagua-algos extensions in place (no project metadata: any setuptools)"
   $PY benchmarks/gpu/build_inplace.py || return 1
   echo "--- build libnccl-net-bagua.so in place (plain cc: no cmake needed)"
   (cd packages/bagua-net && ${CC:-cc} -std=gnu11 -O2 -fPIC -shared -fvisibility=hidden \
