@@ -5,7 +5,11 @@
 readiness in backward, launches the buckets in index order (the same on every rank), learns
 the bucket order from the first synchronised backward, ends each backward (waits, scatters,
 settles the "got a gradient" flags of unused parameters, averages sparse gradients), and runs
-CUDA buckets' communication on a side stream.  The wrapper (``bagua_algos.module``), join
+CUDA buckets' communication on a side stream.  The per-gradient part (hooks, readiness,
+in-order launch, end-of-backward detection, the gather into a bucket) is compiled
+(``_hot.ReadyLoop``), so a steady-state backward does not enter Python per parameter; it calls
+back here once per step (:meth:`StepEngine._plan`), at the last bucket and at the end.  The
+wrapper (``bagua_algos.module``), join
 (:mod:`.join`), autotuning and fault tolerance use it only through the members documented
 here: :attr:`~StepEngine.buckets`, :attr:`~StepEngine.bucket_size`, :attr:`~StepEngine.sync`,
 :attr:`~StepEngine.joining`, :attr:`~StepEngine.tuner`, :attr:`~StepEngine.busy`,
