@@ -14,8 +14,9 @@ sent at world size 1, so their cases below check only the weight copies; the gro
 exchanges is checked on CPU by tests/test_fake_nccl.py).
 TopK, LowRank and AsyncModelAverage exchange nothing at one rank (the first two return before
 their collectives; the averaging thread averages with itself), so a one-rank run of them
-checked nothing its name claimed (issue 46): they run on two ranks sharing the GPU, over
-gloo (NCCL refuses two ranks on one device), each rank on its own batches.  Both ranks must
+checked nothing its name claimed (issue 46): they run on two GPUs, one NCCL rank each
+(NCCL refuses two ranks on one device, and bagua_comm's gloo backend carries CPU tensors only),
+each rank on its own batches, and skip with that reason on a one-GPU machine.  Both ranks must
 end with the same weights (the exchange ran), equal to the default stream's run; the async
 case, whose rounds follow the wall clock, must have averaged (rounds > 0), finite.
 Marked ``gpu``: skipped without CUDA, failing instead when BAGUA_TEST_GPU=1.
@@ -62,8 +63,10 @@ CASES = {
                                                      compressor=MinMaxUInt4(1)),
 }
 # These exchange nothing at one rank (TopK and LowRank return before their collectives, the
-# averaging thread averages with itself): they run on two ranks sharing the GPU, over gloo,
-# whose CUDA collectives order themselves after the caller's current stream as NCCL's do.
+# averaging thread averages with itself), so they need two ranks, and two GPUs: NCCL refuses
+# two ranks on one device, and bagua_comm's gloo backend carries CPU tensors only (it refused
+# these cases' CUDA tensors on the one-GPU H200 of 2026-11-28). On CPU, their ordering
+# against the training stream is checked by test_stream_order.py's stream model.
 TWO_RANK_CASES = {
     # top-k selection, allgathers of indices (with the unused flags) and values, error
     # feedback through the overflow scratch buffer; then 8-bit values and DGC momentum
@@ -151,9 +154,13 @@ def _compare_two_ranks(case):
 
 
 @pytest.mark.parametrize("case", list(TWO_RANK_CASES))
-def test_two_ranks_on_one_gpu_training_on_a_side_stream_matches_the_default_stream(case):
-    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "BAGUA_COMM_BACKEND": "gloo"}
-    r0, r1 = run_ranks(_compare_two_ranks, 2, args=(case,), timeout=600, env=env)
+def test_two_gpus_training_on_a_side_stream_matches_the_default_stream(case):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs: at one rank this algorithm exchanges nothing, NCCL refuses "
+                    "two ranks on one device and bagua_comm's gloo backend carries CPU tensors")
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "BAGUA_COMM_BACKEND": "nccl"}
+    r0, r1 = run_ranks(_compare_two_ranks, 2, args=(case,), backend="nccl", timeout=600,
+                       env=env)
     # (each rank's loss is on its own batches, step by step: too noisy to go down in 12 steps)
     for finite, same, _first, last, ref_last, rounds, _ in (r0, r1):
         assert finite, case
