@@ -141,10 +141,8 @@ class Step:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc is not None and not is_comm_error(exc):
             self.ft._abandon()
-            if self.ft.world_size > 1:
-                # the peers wait in this step's collectives for a replica that left it: close
-                # its connections so that they fail at once, not after the collective timeout
-                self.ft._abort()
+            # the peers wait in this step's collectives for a replica that left it
+            self.ft._leave_group()
             return False                       # a bug in the step: raise it
         if exc is not None:
             self.error = exc
@@ -345,6 +343,7 @@ class FaultTolerant:
             self.manager.report_error(failed)
             self.manager.should_commit()
             self._abandon()
+            self._leave_group()
         self._step0 = self.model.step
         if self.data is not None:
             step.batch = self.data.next()
@@ -485,6 +484,8 @@ class FaultTolerant:
             self._undo(saved)
         else:
             self._abandon()
+        if not committed:
+            self._leave_group()
         return committed
 
     def _undo(self, saved: tuple) -> None:
@@ -500,6 +501,15 @@ class FaultTolerant:
         if self.model is not None:
             self.model.step = self._step0
         self._dirty = True
+
+    def _leave_group(self) -> None:
+        """After a step this replica voted down: close its connections, so that a peer still
+        blocked in a collective with it (gloo's send waits for the receiver; with a member
+        dead, the others give up one by one) fails at once instead of after the collective
+        timeout.  The next quorum, which every failed vote makes torchft reconfigure,
+        rebuilds the group."""
+        if self.world_size > 1:
+            self._abort()
 
     def _abort(self) -> None:
         """Leave the group now (a step abandoned for a bug, or :meth:`close`): the module
