@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import traceback
 from datetime import timedelta
 
 import torch
@@ -113,6 +114,17 @@ def _quiet(name: str):
         log.setLevel(old)
 
 
+def forget_frames(err: BaseException | None) -> None:
+    """``err`` (and its causes) without the local variables of the frames it was raised
+    through: those hold the gloo groups of the collective that failed, which must go for
+    their connections to close (see ``_group.close_connections``).  File and line stay."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        err = err.__cause__ or err.__context__
+
+
 def _detach(model: BaguaModule) -> None:
     """Detach the algorithm; an exchange of it that failed (a peer died in it) is dropped
     with it instead of raising again."""
@@ -145,6 +157,7 @@ class Step:
             self.ft._leave_group()
             return False                       # a bug in the step: raise it
         if exc is not None:
+            forget_frames(exc)
             self.error = exc
             self.ft.manager.report_error(exc)
         self.committed = self.ft._finish()
@@ -328,6 +341,7 @@ class FaultTolerant:
                     if not is_comm_error(err) or attempt == _REBUILD_ATTEMPTS:
                         raise
                     failed = err
+                    forget_frames(err)
                 else:
                     if healed is not None:
                         self.heal_times.append(time.perf_counter() - t0)
@@ -469,6 +483,7 @@ class FaultTolerant:
                 if not is_comm_error(err):
                     self._undo(saved)
                     raise
+                forget_frames(err)
                 logger.warning(f"bagua_algos.ft: a peer failed in the step's exchange "
                                f"({err}); this step is not committed")
                 self.manager.report_error(err)
