@@ -219,7 +219,7 @@ def ft(session: nox.Session) -> None:
     for p in PACKAGES:
         session.install(_pkg(p))
     session.install(f"{_pkg('bagua-algos')}[ft]")
-    _pytest(session, "tests/test_ft.py", "tests/test_ft_heal.py",
+    _pytest(session, "tests/test_ft.py", "tests/test_ft_heal.py", "tests/test_ft_faults.py",
             "packages/bagua-algos/tests/test_ft_api.py",
             "packages/bagua-algos/tests/test_lightning_ft.py", slow=True)
 

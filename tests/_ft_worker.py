@@ -84,6 +84,44 @@ def fail_heal(ft, n):
     transport.recv_checkpoint = failing_recv
 
 
+def die_in_configure(pg, world_size, armed):
+    """SIGKILL this process inside the group configure of a quorum of ``world_size`` members
+    that a running group of at least 2 grows into (a join), once ``armed()``: torchft has
+    dropped the old group, the new one is not made yet."""
+    create = pg._create_pg
+    last = [1]
+
+    def dying(store, rank, size):
+        if size == world_size and 2 <= last[0] < size and armed():
+            os.kill(os.getpid(), signal.SIGKILL)
+        last[0] = size
+        return create(store, rank, size)
+    pg._create_pg = dying
+
+
+def die_mid_heal(transport, armed):
+    """SIGKILL this process in the middle of the first heal transfer it serves once
+    ``armed()``: 2 KiB of the answer written, then the kill (torchft's transport or ours:
+    both serve with a ``BaseHTTPRequestHandler``)."""
+    server = transport._server
+    handler = server.RequestHandlerClass
+
+    class Dying(handler):
+        def setup(self):
+            super().setup()
+            write, sent = self.wfile.write, [0]
+
+            def part_then_die(data):
+                if armed() and sent[0] + len(data) > 2048:
+                    write(bytes(data[:max(2048 - sent[0], 1)]))
+                    self.wfile.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                sent[0] += len(data)
+                return write(data)
+            self.wfile.write = part_then_die
+    server.RequestHandlerClass = Dying
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--lighthouse", required=True)
@@ -103,6 +141,7 @@ def main():
     p.add_argument("--log", required=True)
     p.add_argument("--dump", default="")
     p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--quorum-timeout", type=float, default=60.0)
     p.add_argument("--sync-dir", default="", help="write ready-<tag> there, then wait for go-<tag>")
     p.add_argument("--tag", default="")
     p.add_argument("--connect-after-go", action="store_true",
@@ -111,7 +150,21 @@ def main():
                    help="before this step, wait for <sync-dir>/release")
     p.add_argument("--fail-heals", type=int, default=0,
                    help="the first N heal transfers to this replica fail (a reset connection)")
+    p.add_argument("--die-in-configure", type=int, default=0,
+                   help="SIGKILL itself inside the configure of a join that grows the group "
+                        "to N members")
+    p.add_argument("--die-mid-heal", action="store_true",
+                   help="SIGKILL itself part-way through a heal transfer it serves")
+    p.add_argument("--fault-after", type=int, default=1,
+                   help="--die-* only once this many steps are committed")
+    p.add_argument("--raise-at", type=int, default=-1,
+                   help="raise a bug (ValueError) in this step, then close() and start again "
+                        "in the same process with a fresh model (a restart in-process)")
     args = p.parse_args()
+    run(args)
+
+
+def run(args):
     from datetime import timedelta
     model, opt, sched, data = build(args)
     if args.connect_after_go:
@@ -121,9 +174,16 @@ def main():
         algorithm = type(algorithm)(sync_every=4)
     ft = FaultTolerant(model, opt, algorithm, lighthouse=args.lighthouse,
                        replica_id=args.replica_id, scheduler=sched, data=data,
-                       timeout=timedelta(seconds=args.timeout), secret=args.secret)
+                       timeout=timedelta(seconds=args.timeout), secret=args.secret,
+                       quorum_timeout=timedelta(seconds=args.quorum_timeout))
     if args.fail_heals:
         fail_heal(ft, args.fail_heals)
+    def armed():
+        return ft.committed_steps >= args.fault_after
+    if args.die_in_configure:
+        die_in_configure(ft._pg, args.die_in_configure, armed)
+    if args.die_mid_heal:
+        die_mid_heal(ft.manager._checkpoint_transport, armed)
     if args.sync_dir:
         open(os.path.join(args.sync_dir, f"connected-{args.tag}"), "w").close()
     if args.dump:
@@ -153,21 +213,28 @@ def main():
             args.hold_at = -1
         opt.zero_grad()
         t0 = time.time()
-        with ft.step() as step:
-            if len(ft.heal_times) > heals:
-                heals = len(ft.heal_times)
-            if ft._generation != generation:
-                generation = ft._generation
-                if args.dump:
-                    torch.save(ft.state_dict(), os.path.join(
-                        args.dump, f"quorum-{ft.committed_steps}-{ft.world_size}.pt"))
-            x, y, idx = step.batch
-            if ft.committed_steps == args.kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-            loss = torch.nn.functional.mse_loss(ft.model(x), y)
-            loss.backward()
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
+        try:
+            with ft.step() as step:
+                if len(ft.heal_times) > heals:
+                    heals = len(ft.heal_times)
+                if ft._generation != generation:
+                    generation = ft._generation
+                    if args.dump:
+                        torch.save(ft.state_dict(), os.path.join(
+                            args.dump, f"quorum-{ft.committed_steps}-{ft.world_size}.pt"))
+                x, y, idx = step.batch
+                if ft.committed_steps == args.kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if ft.committed_steps == args.raise_at:
+                    raise ValueError("injected: a bug in the step")
+                loss = torch.nn.functional.mse_loss(ft.model(x), y)
+                loss.backward()
+                if args.step_sleep:
+                    time.sleep(args.step_sleep)
+        except ValueError as err:
+            if "injected" not in str(err):
+                raise
+            break            # the bug left the step (FaultTolerant re-raised it)
         log.write(json.dumps({"t0": t0, "t": time.time(), "step": ft.committed_steps,
                               "committed": step.committed, "world": ft.world_size,
                               "loss": float(loss), "indices": idx.tolist(),
@@ -175,6 +242,15 @@ def main():
                               "heal_s": ft.heal_times[-1] if heals else None,
                               "error": None if step.error is None else str(step.error)[:200]})
                   + "\n")
+    if ft.committed_steps == args.raise_at and ft.committed_steps < args.steps:
+        # this replica leaves the job and comes back in the same process with a fresh model,
+        # as a supervisor loop would restart it
+        ft.close()
+        log.close()
+        args.raise_at = -1
+        args.connect_after_go = False
+        args.sync_dir = ""
+        return run(args)
     if args.dump:
         torch.save(ft.state_dict(), os.path.join(args.dump, "end.pt"))
     ft.close()

@@ -9,6 +9,7 @@ kill-and-heal scenario; the tests marked ``slow`` (other faults) run with ``nox 
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import os
 import signal
@@ -203,8 +204,10 @@ def test_a_replica_with_another_model_is_refused_and_the_job_goes_on(tmp_path, l
 @pytest.mark.timeout(240)
 def test_a_stopped_replica_is_dropped_then_heals_when_it_wakes(tmp_path, lighthouse):
     """SIGSTOP (a host frozen: swapped out, paused VM): the other replica drops it and goes on
-    alone; on SIGCONT it finds its step failed, rejoins, heals from the live peer, and both end
-    identical."""
+    alone; on SIGCONT it rejoins, heals from the live peer (its committed step jumps to the
+    peer's), and both end identical.  Whether its step in flight when it froze fails depends
+    on where the stop landed (a step already past its collectives commits on its own), so
+    that is not asserted."""
     a = _spawn(tmp_path, lighthouse, "a", "a", "--step-sleep", "0.05", "--timeout", "5",
                "--hold-at", str(HOLD_AT))
     b = _spawn(tmp_path, lighthouse, "b", "b", "--step-sleep", "0.05", "--timeout", "5")
@@ -240,11 +243,11 @@ def test_a_stopped_replica_is_dropped_then_heals_when_it_wakes(tmp_path, lightho
     la, lb = _log(tmp_path, "a"), _log(tmp_path, "b")
     assert la[-1]["step"] == STEPS and lb[-1]["step"] == STEPS
     assert any(r["committed"] and r["world"] == 1 for r in la)      # a went on alone
-    # b's step in flight when it froze failed; its next committed step is a's, copied by healing
-    failed = [i for i, r in enumerate(lb) if not r["committed"]]
-    assert failed, lb
-    woke = next(r for r in lb[failed[0]:] if r["committed"])
-    assert woke["step"] > lb[failed[0]]["step"] + 1 and woke["heal_s"] != lb[0]["heal_s"], lb
+    # b took the steps a committed alone from a, by healing: its committed step jumps
+    steps = [r["step"] for r in lb if r["committed"]]
+    assert any(y > x + 1 for x, y in itertools.pairwise(steps)), lb
+    assert len({r["heal_s"] for r in lb if r["heal_s"] is not None}) > len(
+        {r["heal_s"] for r in lb[:2] if r["heal_s"] is not None}), lb    # a heal after waking
     assert la[-1]["world"] == lb[-1]["world"] == 2                   # and they ended together
     ea = torch.load(tmp_path / "a" / "end.pt", weights_only=False)
     eb = torch.load(tmp_path / "b" / "end.pt", weights_only=False)

@@ -31,6 +31,13 @@ def main():
     p.add_argument("--kill-at", type=int, default=-1, help="SIGKILL itself in this step")
     p.add_argument("--fail-heals", type=int, default=0,
                    help="the first N heal transfers to this replica fail (a reset connection)")
+    p.add_argument("--die-in-configure", type=int, default=0,
+                   help="SIGKILL itself inside the configure of a join that grows the group "
+                        "to N members (as tests/_ft_worker.py)")
+    p.add_argument("--die-mid-heal", action="store_true",
+                   help="SIGKILL itself part-way through a heal transfer it serves")
+    p.add_argument("--fault-after", type=int, default=1,
+                   help="--die-* only once this many steps are committed")
     args = p.parse_args()
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 
@@ -52,7 +59,8 @@ def main():
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     timeout = timedelta(seconds=args.timeout)
-    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load,
+    pg = ProcessGroupGloo(timeout=timeout)
+    manager = Manager(pg=pg, load_state_dict=load,
                       state_dict=state, min_replica_size=1, use_async_quorum=False,
                       timeout=timeout, rank=0, world_size=1, store_addr="127.0.0.1",
                       store_port=store.port, lighthouse_addr=args.lighthouse,
@@ -65,6 +73,15 @@ def main():
         holder = _Holder()
         holder.manager = manager
         fail_heal(holder, args.fail_heals)
+    if args.die_in_configure or args.die_mid_heal:
+        from _ft_worker import die_in_configure, die_mid_heal
+
+        def armed():
+            return manager.current_step() >= args.fault_after
+        if args.die_in_configure:
+            die_in_configure(pg, args.die_in_configure, armed)
+        if args.die_mid_heal:
+            die_mid_heal(manager._checkpoint_transport, armed)
     ddp = DistributedDataParallel(manager, model)
     opt = Optimizer(manager, inner)
     g = torch.Generator().manual_seed(hash(args.tag) % 1000)

@@ -11,12 +11,16 @@ same story then runs with torchft's own DDP (``torchft.DistributedDataParallel``
 ``Manager`` + ``OptimizerWrapper``) as the peer, under the same Lighthouse settings
 (heartbeat timeout, join timeout, quorum tick).  ``--fault`` picks the moment: a plain kill,
 a lost link, a returning host whose first heal fails, a kill inside an optimizer-step
-exchange.
+exchange, a second host killed inside the group configure of host 2's return (``join``),
+the heal source killed half-way through host 2's heal transfer (``mid-heal``).
 
-Reported (``--json PATH``, and a plot ``ft.png`` beside it): ``stall_s`` (kill to the
-survivors' next committed step, slowest survivor), ``steps_lost`` (step attempts the
-survivors did not commit), ``heal_s`` (the returning host's quorum + state transfer +
-rebuild), ``replicas_identical`` (every replica's full state bit for bit at the heal step:
+Reported (``--json PATH``, and a plot ``ft.png`` beside it): ``stall_s`` (the fault to
+the survivors' first committed step in a quorum without the lost host, slowest survivor),
+``first_commit_s`` (the fault to their first committed step of any quorum: a step already
+past its collectives when the host died commits at once, so this one depends on where in
+the step the kill landed, not on the system), ``steps_lost`` (step attempts the survivors
+did not commit), ``heal_s`` (the returning host's quorum + state transfer + rebuild),
+``replicas_identical`` (every live replica's full state bit for bit at the heal step:
 parameters, optimizer and algorithm state, LR scheduler, sampler position), and the same under
 ``peer``.  ``--heartbeat-ms`` is the Lighthouse's heartbeat timeout for both runs (default
 1000 ms, replicas beat every 100 ms).  Exits 1 if a target is missed.
@@ -174,6 +178,29 @@ def _spawn(hosts: Hosts, worker: Path, lighthouse: str, out: Path, tag: str, hos
                        stderr=subprocess.STDOUT)
 
 
+# --fault join / mid-heal: the host that dies while host 2 comes back (and is healed), and
+# the worker's flag that makes it die there.  torchft serves a lone joiner from the first
+# up-to-date replica in replica-id order: host0 is the heal source.
+SECOND = {"join": (1, "--die-in-configure", str(HOSTS)), "mid-heal": (0, "--die-mid-heal")}
+
+
+def _stall(logs, tags, t_fault, size):
+    """(stall, first commit, steps lost) after ``t_fault`` over the hosts ``tags``: the stall
+    ends at each one's first committed step in a quorum of ``size`` (without the lost host),
+    the first commit at its first committed step of any quorum (a step already past its
+    collectives when the host died commits at once: that is not the end of the stall)."""
+    stall = first_any = 0.0
+    lost = 0
+    for s in tags:
+        after = [r for r in logs[s] if r["t"] > t_fault]
+        first = next(r for r in after if r["committed"] and r["world"] == size)
+        any_ = next(r for r in after if r["committed"])
+        stall = max(stall, first["t"] - t_fault)
+        first_any = max(first_any, any_["t"] - t_fault)
+        lost = max(lost, sum(1 for r in after if not r["committed"] and r["t"] <= first["t"]))
+    return stall, first_any, lost
+
+
 def scenario(hosts: Hosts, system: str, lighthouse: str, out: Path, args) -> dict:
     shutil.rmtree(out, ignore_errors=True)      # an old run's stop/ready files would end this one
     out.mkdir(parents=True, exist_ok=True)
@@ -183,13 +210,20 @@ def scenario(hosts: Hosts, system: str, lighthouse: str, out: Path, args) -> dic
     # --fault sync: the lost host kills itself in the first step after --kill-after in which
     # LocalSGD/DiLoCo (sync_every=2) sync: the survivors are in that exchange
     kill_at = args.kill_after + (args.kill_after % 2 == 0) if args.fault == "sync" else -1
+    second = SECOND.get(args.fault)
 
     def spawn(tag, host, *more):
         return _spawn(hosts, worker, lighthouse, out, tag, host, args.step_sleep,
                       ["--dump", str(out / tag), "--steps", "100000", *extra, *more])
 
-    procs = {f"h{i}": spawn(f"h{i}", i, *(("--kill-at", str(kill_at)) if i == LOST else ()))
-             for i in range(HOSTS)}
+    def flags(i):
+        if i == LOST:
+            return ("--kill-at", str(kill_at))
+        if second is not None and i == second[0]:       # armed once host 2 is gone
+            return (*second[1:], "--fault-after", str(args.kill_after + 1))
+        return ()
+
+    procs = {f"h{i}": spawn(f"h{i}", i, *flags(i)) for i in range(HOSTS)}
     try:
         _wait(lambda: all((out / f"ready-h{i}").exists() for i in range(HOSTS)), 180, "start")
         t_start = time.time()
@@ -218,7 +252,15 @@ def scenario(hosts: Hosts, system: str, lighthouse: str, out: Path, args) -> dic
                                               if args.fault == "heal-fail" else ()))
         _wait(lambda: (out / "ready-back").exists(), 180, "the return's start")
         (out / "go-back").touch()
-        _wait(lambda: committed("back") >= args.after, 120, "training at 3 again")
+        t_fault = t_kill
+        if second is not None:        # the second host dies while host 2 joins
+            victim = procs[f"h{second[0]}"]
+            _wait(lambda: victim.poll() is not None, 120, f"the {args.fault} fault")
+            t_fault = time.time()
+            if victim.returncode != -signal.SIGKILL:
+                raise RuntimeError(f"host {second[0]} exited {victim.returncode}, not killed "
+                                   f"by the {args.fault} fault: see {out}/h{second[0]}.out")
+        _wait(lambda: committed("back") >= args.after, 120, "training together again")
         (out / "stop").touch()
         for p in procs.values():
             try:
@@ -229,18 +271,18 @@ def scenario(hosts: Hosts, system: str, lighthouse: str, out: Path, args) -> dic
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
+    live = [t for t in survivors if second is None or t != f"h{second[0]}"]
+    size = len(live) + 1                        # the live survivors and the returned host
     logs = {t: _log(out / f"{t}.log") for t in [*survivors, "back"]}
-    stall, lost = 0.0, 0
-    for s in survivors:
-        after = [r for r in logs[s] if r["t"] > t_kill]
-        first = next(r for r in after if r["committed"])
-        stall = max(stall, first["t"] - t_kill)
-        lost = max(lost, sum(1 for r in after if not r["committed"] and r["t"] <= first["t"]))
+    if second is None:
+        stall, first_any, lost = _stall(logs, survivors, t_fault, HOSTS - 1)
+    else:
+        stall, first_any, lost = _stall(logs, live, t_fault, size)
     heal_s = next((r["heal_s"] for r in logs["back"] if r.get("heal_s") is not None), None)
     # the step it healed at: before its first committed step (with --fault heal-fail its
     # first attempt is not committed)
     heal_step = next(r["step"] for r in logs["back"] if r["committed"]) - 1
-    dumps = [out / t / f"quorum-{heal_step}-{HOSTS}.pt" for t in [*survivors, "back"]]
+    dumps = [out / t / f"quorum-{heal_step}-{size}.pt" for t in [*live, "back"]]
     identical = all(d.exists() for d in dumps)
     if identical:
         states = [torch.load(d, weights_only=False) for d in dumps]
@@ -248,10 +290,11 @@ def scenario(hosts: Hosts, system: str, lighthouse: str, out: Path, args) -> dic
     series = {t: [(r["t"] - t_start, r["loss"], r["committed"]) for r in log_]
               for t, log_ in {f"h{i}": _log(out / f"h{i}.log") for i in range(HOSTS)}.items()}
     series["back"] = [(r["t"] - t_start, r["loss"], r["committed"]) for r in logs["back"]]
-    return {"status": "ok", "stall_s": round(stall, 3), "steps_lost": lost,
-            "heal_s": None if heal_s is None else round(heal_s, 3),
+    return {"status": "ok", "stall_s": round(stall, 3), "first_commit_s": round(first_any, 3),
+            "steps_lost": lost, "heal_s": None if heal_s is None else round(heal_s, 3),
             "replicas_identical": identical, "heal_step": heal_step,
-            "events_s": {"kill": round(t_kill - t_start, 3), "return": round(t_back - t_start, 3)},
+            "events_s": {"kill": round(t_kill - t_start, 3), "return": round(t_back - t_start, 3),
+                         "fault": round(t_fault - t_start, 3)},
             "series": series}
 
 
@@ -350,14 +393,19 @@ def main(argv=None) -> int:
                     help="each emulated host's link, Mbit/s (0: unshaped); testbed only")
     ap.add_argument("--algo", default="bytegrad", choices=ALGOS,
                     help="bagua's algorithm (the peer is torchft's DDP)")
-    ap.add_argument("--fault", choices=("kill", "link", "heal-fail", "sync"), default="kill",
+    ap.add_argument("--fault", choices=("kill", "link", "heal-fail", "sync", "join", "mid-heal"),
+                    default="kill",
                     help="kill: SIGKILL host 2's replica (its kernel still closes the "
                          "connections); link: also take host 2's link down first, so its "
                          "peers hear nothing (a machine that loses power; testbed only); "
                          "heal-fail: as kill, and the returning host's first heal transfer "
                          "fails (a reset connection); sync: host 2 kills itself in a step in "
                          "which the others exchange weights in the optimizer step (--algo "
-                         "local_sgd, diloco, diloco_fragments, low_precision_decentralized)")
+                         "local_sgd, diloco, diloco_fragments, low_precision_decentralized); "
+                         "join: as kill, and host 1 is killed inside the group configure of "
+                         "host 2's return; mid-heal: as kill, and host 0, the heal source, is "
+                         "killed part-way through host 2's heal transfer (the stall is then "
+                         "measured from that second death)")
     ap.add_argument("--timeout", type=float, default=10.0,
                     help="bagua's FaultTolerant(timeout=) in seconds: how long a collective "
                          "waits for a silent peer (it bounds the stall with --fault link)")
@@ -369,6 +417,7 @@ def main(argv=None) -> int:
                          "the machine has; run something CPU-heavy beside it for load 8+")
     args = ap.parse_args(argv)
     start = _results.started()
+    os.environ.setdefault("RUST_LOG", "error")     # the Lighthouse in this process: quiet
     if args.soak < 0:
         ap.error("--soak must be >= 0 seconds")
     if args.fault == "sync" and args.algo not in SYNCING:

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
-import urllib.parse
+import traceback
 from datetime import timedelta
 
 import torch
@@ -29,7 +28,8 @@ from .._engine.consistency import configuration
 from ..algorithm import Algorithm
 from ..module import BaguaModule, with_bagua
 from ._data import CommittedBatches
-from ._group import bagua_group, reconfigurable_gloo, release
+from ._group import bagua_group, close_connections, configure_failure, reconfigurable_gloo, release
+from ._lighthouse import no_quorum_error
 from ._source import authenticate, choose_source, share
 from ._speculate import alive, communicates_in_step, drain, restore, snapshot
 from ._transport import SecretRefused, job_secret, make_transport
@@ -46,6 +46,18 @@ def _positive_timedelta(name, value) -> None:
 
 # quorums tried in one step when members keep failing while the group is set up
 _REBUILD_ATTEMPTS = 5
+# the spacing of torchft's resent quorum requests when the Lighthouse does not answer (it
+# was restarted: the request in flight was lost with it), see _quorum_retries
+_RESEND_MS = 250
+
+
+def _quorum_retries(quorum_timeout: timedelta) -> int:
+    """How many times torchft's manager resends a quorum request the Lighthouse lost.  It
+    waits ``quorum_timeout / (retries + 1)`` before each resend (and reconnects), so this
+    spaces them ``_RESEND_MS`` apart over ``quorum_timeout``; without retries (torchft's
+    default) a request lost with a restarted Lighthouse is never resent and the step fails
+    after ``quorum_timeout``."""
+    return max(1, int(quorum_timeout.total_seconds() * 1000) // _RESEND_MS - 1)
 
 
 def is_comm_error(err: BaseException) -> bool:
@@ -55,16 +67,6 @@ def is_comm_error(err: BaseException) -> bool:
     text = str(err).lower()
     return isinstance(err, RuntimeError) and any(
         s in text for s in ("gloo", "connection", "timed out", "broken pipe", "peer"))
-
-
-def _answers(address: str, timeout: float = 2.0) -> bool:
-    """Whether something accepts a TCP connection at ``address`` (``http://host:port``)."""
-    hostport = urllib.parse.urlsplit(address if "//" in address else f"//{address}")
-    try:
-        with socket.create_connection((hostport.hostname, hostport.port or 80), timeout):
-            return True
-    except (OSError, ValueError):
-        return False
 
 
 def _model_meta(module: torch.nn.Module, optimizer, algorithm: Algorithm, wrap: dict) -> dict:
@@ -112,6 +114,17 @@ def _quiet(name: str):
         log.setLevel(old)
 
 
+def forget_frames(err: BaseException | None) -> None:
+    """``err`` (and its causes) without the local variables of the frames it was raised
+    through: those hold the gloo groups of the collective that failed, which must go for
+    their connections to close (see ``_group.close_connections``).  File and line stay."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        err = err.__cause__ or err.__context__
+
+
 def _detach(model: BaguaModule) -> None:
     """Detach the algorithm; an exchange of it that failed (a peer died in it) is dropped
     with it instead of raising again."""
@@ -140,8 +153,11 @@ class Step:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc is not None and not is_comm_error(exc):
             self.ft._abandon()
+            # the peers wait in this step's collectives for a replica that left it
+            self.ft._leave_group()
             return False                       # a bug in the step: raise it
         if exc is not None:
+            forget_frames(exc)
             self.error = exc
             self.ft.manager.report_error(exc)
         self.committed = self.ft._finish()
@@ -256,6 +272,7 @@ class FaultTolerant:
                 world_size=1, store_addr="127.0.0.1", store_port=self._store.port,
                 lighthouse_addr=lighthouse, replica_id=replica_id,
                 heartbeat_interval=heartbeat_interval, init_sync=True,
+                quorum_retries=_quorum_retries(quorum_timeout),
                 checkpoint_transport=make_transport(self._secret, timeout))
         except Exception as err:   # torchft's Rust client raises plain Exceptions
             raise RuntimeError(f"cannot join the torchft Lighthouse at {lighthouse!r} within "
@@ -311,27 +328,36 @@ class FaultTolerant:
             self._quorum()
             self._check_secret()
             healed, self._healed = self._healed, None
-            if not (healed is not None or self._dirty or self.model is None
-                    or self._pg.generation != self._generation):
-                break
-            try:
-                self._rebuild(healed)
-            except Exception as err:
-                # A member of the new quorum failed while the group was being set up (it
-                # died, or it was refused: another model): vote this step down and take the
-                # next quorum, which no longer holds it, instead of failing a healthy replica.
-                if not is_comm_error(err) or attempt == _REBUILD_ATTEMPTS:
-                    raise
-                logger.warning(f"bagua_algos.ft: a peer failed while the quorum formed ({err}); "
-                               "this step is not committed, trying the next quorum")
-                step.error = err
-                self.manager.report_error(err)
-                self.manager.should_commit()
-                self._abandon()
-                continue
-            if healed is not None:
-                self.heal_times.append(time.perf_counter() - t0)
-            break
+            failed = configure_failure(self._pg, self.manager)
+            if failed is None:
+                if not (healed is not None or self._dirty or self.model is None
+                        or self._pg.generation != self._generation):
+                    break
+                try:
+                    self._rebuild(healed)
+                except Exception as err:
+                    # A member of the new quorum failed while the group was being set up
+                    # (it died, or it was refused: another model)
+                    if not is_comm_error(err) or attempt == _REBUILD_ATTEMPTS:
+                        raise
+                    failed = err
+                    forget_frames(err)
+                else:
+                    if healed is not None:
+                        self.heal_times.append(time.perf_counter() - t0)
+                    break
+            elif attempt == _REBUILD_ATTEMPTS:
+                raise RuntimeError(f"bagua_algos.ft: the quorum's group could not be set up "
+                                   f"in {attempt} quorums in a row") from failed
+            # vote this step down and take the next quorum, which no longer holds the
+            # member that failed, instead of failing a healthy replica
+            logger.warning(f"bagua_algos.ft: a peer failed while the quorum formed ({failed}); "
+                           "this step is not committed, trying the next quorum")
+            step.error = failed
+            self.manager.report_error(failed)
+            self.manager.should_commit()
+            self._abandon()
+            self._leave_group()
         self._step0 = self.model.step
         if self.data is not None:
             step.batch = self.data.next()
@@ -350,7 +376,7 @@ class FaultTolerant:
                 if isinstance(err, TimeoutError) or "timeout" in str(err).lower():
                     # torchft's Manager cannot go on (its failed quorum is re-raised by every
                     # later call) and its threads would keep the process from exiting
-                    lost = self._no_quorum(err)
+                    lost = no_quorum_error(self._lighthouse, self._quorum_timeout, err)
                     self.close()
                     raise lost from err
                 raise
@@ -377,20 +403,6 @@ class FaultTolerant:
         if isinstance(refused, SecretRefused):
             self.close()
             raise refused
-
-    def _no_quorum(self, err: BaseException) -> RuntimeError:
-        """The error for a step that got no quorum within quorum_timeout: the Lighthouse
-        lost (its host died: nothing answers at its address) or too few replicas alive."""
-        if _answers(self._lighthouse):
-            why = ("the Lighthouse answers but formed no quorum with this replica (fewer than "
-                   "its min_replicas replicas alive?)")
-        else:
-            why = ("nothing answers at that address: the Lighthouse (or its host) is lost. "
-                   "torchft's Manager cannot go on after that: restart the Lighthouse and the "
-                   "replicas (from a checkpoint)")
-        return RuntimeError(f"bagua_algos.ft: no quorum from the torchft Lighthouse at "
-                            f"{self._lighthouse!r} within quorum_timeout="
-                            f"{self._quorum_timeout}: {why} ({type(err).__name__}: {err})")
 
     def _rebuild(self, healed: dict | None) -> None:
         """Wrap the model anew on the current quorum's group, carrying every piece of state
@@ -471,6 +483,7 @@ class FaultTolerant:
                 if not is_comm_error(err):
                     self._undo(saved)
                     raise
+                forget_frames(err)
                 logger.warning(f"bagua_algos.ft: a peer failed in the step's exchange "
                                f"({err}); this step is not committed")
                 self.manager.report_error(err)
@@ -486,6 +499,8 @@ class FaultTolerant:
             self._undo(saved)
         else:
             self._abandon()
+        if not committed:
+            self._leave_group()
         return committed
 
     def _undo(self, saved: tuple) -> None:
@@ -502,6 +517,30 @@ class FaultTolerant:
             self.model.step = self._step0
         self._dirty = True
 
+    def _leave_group(self) -> None:
+        """After a step this replica voted down: close its connections, so that a peer still
+        blocked in a collective with it (gloo's send waits for the receiver; with a member
+        dead, the others give up one by one) fails at once instead of after the collective
+        timeout.  The next quorum, which every failed vote makes torchft reconfigure,
+        rebuilds the group."""
+        if self.world_size > 1:
+            self._abort()
+
+    def _abort(self) -> None:
+        """Leave the group now (a step abandoned for a bug, or :meth:`close`): the module
+        detached (the algorithm's state kept for the next rebuild, as after a failed one)
+        and this replica's connections closed, so that a peer waiting in a collective with
+        it fails at once instead of after the collective timeout."""
+        if self.model is not None:
+            if self._pending is None:
+                self._pending = (self.model.bagua_state_dict(),
+                                 None if self.data is None else self.data.state_dict())
+            _detach(self.model)
+            self.model = None
+        close_connections(self._group, self._pg)
+        self._group = None
+        self._dirty = True
+
     # -- state, for checks and checkpoints ----------------------------------------------------
     def state_dict(self) -> dict:
         """Everything a joining replica copies, plus the algorithm's state as its own entry."""
@@ -511,9 +550,7 @@ class FaultTolerant:
         return state
 
     def close(self) -> None:
-        """Leave the job: stop this replica's torchft servers (not collective)."""
-        if self.model is not None:
-            _detach(self.model)
-        release(self._group)
-        self._group = None
+        """Leave the job: close this replica's connections (a peer in a collective with it
+        fails at once) and stop its torchft servers (not collective)."""
+        self._abort()
         self.manager.shutdown(wait=False)
