@@ -256,3 +256,33 @@ def test_a_map_joined_from_several_runs_picks_one_headline_alone_reaches_in_none
     assert cells[0]["times_s"]["fast"] == pytest.approx(8.0)
     assert [c["alone_vs_best"] for c in cells] == [None, None]
     assert cells[0]["efficiency"]["fast"] == pytest.approx(16 * 0.25 / 8.0)
+
+
+def test_the_diloco_rows_as_the_anchors_run_it_each_change_one_knob():
+    """Issue 44's rows: each is DiLoCo with one change (or two, named), the 4-bit ones with
+    MinMaxUInt4 and error feedback; every one builds, and the table tells them apart."""
+    from _e2e_rows import OUTER_BYTES, SYNC_ROWS, bagua_spec, mode_note
+    from _e2e_table import short
+
+    from bagua_algos import Algorithm
+    from bagua_comm.compression import MinMaxUInt4
+
+    want = {"diloco_warm": {"outer_warmup": 8},
+            "diloco_stream": {"fragments": 2, "overlap_steps": 1},
+            "diloco_m05": {"outer_momentum": 0.5},
+            "diloco_u4_m05": {"outer_momentum": 0.5},
+            "diloco_u4_m05_stream": {"outer_momentum": 0.5, "fragments": 2, "overlap_steps": 1}}
+    for row, kwargs in want.items():
+        assert row in SYNC_ROWS
+        name, got = bagua_spec(row, 2, world=4)
+        comp = got.pop("compressor", None)
+        assert name == "diloco" and got == kwargs, row
+        if "_u4" in row:
+            assert isinstance(comp, MinMaxUInt4) and comp.chunks == 4 and comp.error_feedback
+            assert OUTER_BYTES[row] == 1 / 8
+        else:
+            assert comp is None
+        Algorithm.init(name, sync_every=4, **got)
+    assert len({short(r) for r in want}) == len(want)
+    assert mode_note("diloco_u4_m05_stream", 2, sync_every=4) == (
+        "H=4, 4-bit EF, mu 0.5, 2 frag. overlap 1")

@@ -30,20 +30,22 @@ DEFAULT_ROWS = ["ddp", ALONE, "ddp_fp16", "ddp_powersgd", "ddp_bytegrad_hook",
                 "gradient_allreduce", "bytegrad",
                 "bytegrad_flat", "decentralized", "decentralized_shift_one",
                 "low_precision_decentralized", "async", "qadam", "local_sgd", "diloco", "diloco_u4",
-                "ft_diloco",
+                "diloco_u4_m05", "ft_diloco",
                 "topk", "low_rank", "low_rank_r32_u8", "auto"]
 # "auto": with_bagua(model, [opt], "auto") as a user runs it (network measured at the start,
 # the rule's algorithm and bucket size); the trade-off map scores the choice by this row
 # Communicate every sync_every steps (sync_every_for); ft_diloco (torchft's DiLoCo, the peer:
 # benchmarks/e2e/_e2e_ft.py) runs with the sync_every the diloco row chose.
-SYNC_ROWS = ("local_sgd", "diloco", "diloco_u8", "diloco_u4", "ft_diloco")
+SYNC_ROWS = ("local_sgd", "diloco", "diloco_u8", "diloco_u4", "ft_diloco", "diloco_warm",
+             "diloco_stream", "diloco_m05", "diloco_u4_m05", "diloco_u4_m05_stream")
 # Rows whose ranks hold different models (most of the time): their held-out loss is the mean
 # over the ranks' models, labelled as such in the table and the JSON (``loss_over``)
 SEPARATE_MODELS = (ALONE, "decentralized", "decentralized_shift_one",
                    "low_precision_decentralized", "async", *SYNC_ROWS)
 # A compressed DiLoCo row's outer-gradient bytes per sync as a fraction of float32's: the rule
 # gives it its own H (a 4-bit sync costs 1/8 of the allreduce, so it can sync ~8x as often)
-OUTER_BYTES = {"diloco_u8": 1 / 4, "diloco_u4": 1 / 8}
+OUTER_BYTES = {"diloco_u8": 1 / 4, "diloco_u4": 1 / 8, "diloco_u4_m05": 1 / 8,
+               "diloco_u4_m05_stream": 1 / 8}
 # The full run's sweep of DiLoCo's H around the rule's choice (rows "diloco@x0.5" ...; a row
 # "diloco@64" fixes H=64): DiLoCo's H is a knob the user picks, so the main job shows how time
 # to DDP's loss and bytes move with it instead of one point.
@@ -101,6 +103,18 @@ _VARIANTS = {  # row name: (registry name, fixed keyword arguments)
     # its bytes (OUTER_BYTES); diloco_u4 is a default row, diloco_u8 opt-in
     "diloco_u8": ("diloco", {}),
     "diloco_u4": ("diloco", {}),
+    # DiLoCo as the anchors run it, one change per row (issue 44): the outer momentum ramped
+    # over the first 8 outer steps; Streaming DiLoCo (2 fragments, each sync applied one
+    # inner step after it started, so it overlaps that step); the outer momentum 0.5
+    # instead of 0.9 (at the main job's small H, 0.9 carried the outer steps past the loss
+    # alone reaches: docs/algorithms/diloco.md); and the 4-bit outer gradient with it
+    # (diloco_u4_m05, a default row: DiLoCo as recommend runs it)
+    "diloco_warm": ("diloco", {"outer_warmup": 8}),
+    "diloco_stream": ("diloco", {"fragments": 2, "overlap_steps": 1}),
+    "diloco_m05": ("diloco", {"outer_momentum": 0.5}),
+    "diloco_u4_m05": ("diloco", {"outer_momentum": 0.5}),
+    "diloco_u4_m05_stream": ("diloco", {"outer_momentum": 0.5, "fragments": 2,
+                                        "overlap_steps": 1}),
 }
 
 
@@ -138,7 +152,7 @@ def bagua_spec(row: str, procs_per_host: int, *, warmup: int = 2,
     if row.startswith("diloco_u"):
         from bagua_comm.compression import MinMaxUInt4, MinMaxUInt8
 
-        kwargs["compressor"] = (MinMaxUInt4 if row == "diloco_u4" else MinMaxUInt8)(
+        kwargs["compressor"] = (MinMaxUInt4 if row.startswith("diloco_u4") else MinMaxUInt8)(
             world, error_feedback=True)
     if name in HIERARCHICAL and "hierarchical" not in kwargs:
         kwargs["hierarchical"] = procs_per_host > 1
@@ -192,8 +206,16 @@ def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2, warmup: 
     if row == "ft_diloco":
         return f"torchft, H={sync_every}" if sync_every else "torchft"
     if split_row(row)[0] in SYNC_ROWS and sync_every:
-        bits = {"diloco_u8": ", 8-bit EF", "diloco_u4": ", 4-bit EF"}.get(split_row(row)[0], "")
-        return f"H={sync_every}{bits}"
+        base = split_row(row)[0]
+        kw = _VARIANTS.get(base, ("", {}))[1]
+        bits = (", 4-bit EF" if base.startswith("diloco_u4") else
+                ", 8-bit EF" if base.startswith("diloco_u8") else "")
+        extra = "".join(part for key, part in (
+            ("outer_momentum", f", mu {kw.get('outer_momentum')}"),
+            ("outer_warmup", f", warm-up {kw.get('outer_warmup')}"),
+            ("fragments", f", {kw.get('fragments')} frag. overlap {kw.get('overlap_steps')}"))
+            if key in kw)
+        return f"H={sync_every}{bits}{extra}"
     if row.startswith("topk"):
         density = _VARIANTS[row][1]["density"]
         return (f"{density:.1%}, {4 if row.endswith('_u4') else 8}-bit values, EF, "

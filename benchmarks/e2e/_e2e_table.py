@@ -21,6 +21,9 @@ SHORT = {
     "low_rank_r16": "lowrank16",
     "low_rank_r8": "lowrank8",
     "topk_1pct_u4": "topk1pct_u4",
+    "diloco_stream": "dl_stream",
+    "diloco_u4_m05": "dl_u4_m05",
+    "diloco_u4_m05_stream": "dl_u4m05_strm",
 }
 COLUMNS = (("algorithm", NAME), ("MB/st", 6), ("ms/st", 6), ("loss@N", 6), ("hit", 3),
            ("to H s", 6), ("st>H", 4), ("t/DDP", 5), ("bound", 6), ("eff", 4))

@@ -20,11 +20,16 @@ def set_flat(model, vec) -> None:
 
 def simulate(world: int, steps: int, *, sync_every: int, outer_lr=0.7, outer_momentum=0.9,
              nesterov=True, fragments=1, overlap=0, inner="sgd", seed=1,
-             model_fn=make_model, batch_fn=batch, resume=None, skipped=()):
+             model_fn=make_model, batch_fn=batch, resume=None, skipped=(), outer_warmup=0):
     """Per step, every rank's flat parameters after that step: ``out[t][r]``.
 
     ``skipped``: ``(t, r)`` pairs whose inner optimizer step does not happen (a step
     torch.amp.GradScaler skips on rank ``r`` only); it still counts towards ``sync_every``.
+
+    ``outer_warmup``: W > 0 replaces the outer SGD by the update written out by hand, the
+    k-th outer step of a fragment with momentum ``μ_k = outer_momentum · min(1, k / W)``:
+    ``m ← μ_k m + Δ`` (m starts at 0), ``u = Δ + μ_k m`` (Nesterov) or ``m``,
+    ``θ_a ← θ_a - outer_lr · u``.
 
     ``resume``: start every rank after step ``resume["step"]`` (no sync in flight) from the
     model and inner optimizer state ``resume["model"]``/``["optimizer"]`` and the flat
@@ -46,6 +51,9 @@ def simulate(world: int, steps: int, *, sync_every: int, outer_lr=0.7, outer_mom
     if resume is not None and resume.get("momentum") is not None:
         for p, (a, o) in enumerate(zip(anchors, outers)):
             o.state[a]["momentum_buffer"] = resume["momentum"][cuts[p]:cuts[p + 1]].clone()
+    if outer_warmup:
+        outers = [_HandOuter(a, outer_lr, outer_momentum, nesterov, outer_warmup)
+                  for a in anchors]
     in_flight = {}                          # fragment -> (apply at, mean delta, starts)
     out = []
     for t in range(first, steps + 1):
@@ -85,6 +93,25 @@ def simulate(world: int, steps: int, *, sync_every: int, outer_lr=0.7, outer_mom
             set_flat(m, th)
         out.append([th.clone() for th in thetas])
     return out
+
+
+class _HandOuter:
+    """The outer step with a momentum warm-up, by hand (no torch optimizer)."""
+
+    def __init__(self, anchor, lr, momentum, nesterov, warmup):
+        self.anchor, self.lr, self.mu, self.nesterov, self.warmup = (anchor, lr, momentum,
+                                                                     nesterov, warmup)
+        self.m = torch.zeros_like(anchor)
+        self.k = 0
+
+    def step(self):
+        self.k += 1
+        mu = self.mu * min(1.0, self.k / self.warmup)
+        d = self.anchor.grad
+        self.m = mu * self.m + d
+        u = d + mu * self.m if self.nesterov else self.m
+        with torch.no_grad():
+            self.anchor -= self.lr * u
 
 
 def inner_optimizer(model, inner: str):

@@ -98,6 +98,10 @@ CASES = {
     "fragments 3": (dict(sync_every=4, fragments=3), "sgd"),
     "overlap 2": (dict(sync_every=4, overlap_steps=2), "momentum"),
     "fragments 2 overlap 1": (dict(sync_every=4, fragments=2, overlap_steps=1), "adam"),
+    # the outer momentum ramps over the first 2 outer steps (0.45, then 0.9)
+    "outer warm-up 2": (dict(sync_every=2, outer_warmup=2), "adam"),
+    "outer warm-up 3, fragments 2 overlap 1": (dict(sync_every=2, fragments=2, overlap_steps=1,
+                                                    outer_warmup=3, nesterov=False), "momentum"),
 }
 
 
@@ -212,6 +216,9 @@ def test_bad_input_raises_naming_the_argument_before_any_communication(results):
                          ({"overlap_steps": 4, "sync_every": 4}, "overlap_steps"),
                          ({"fragments": 0}, "fragments"),
                          ({"outer_momentum": 1.0}, "outer_momentum"),
+                         ({"outer_warmup": -1}, "outer_warmup"),
+                         ({"outer_warmup": 2, "outer_momentum": 0.0, "nesterov": False},
+                          "outer_warmup ramps the outer momentum"),
                          ({"compressor": "int8"}, "compressor"),
                          ({"anchor_device": "nowhere"}, "anchor_device"),
                          # once accepted: inf trained the weights to +-inf; 'meta' (and

@@ -23,6 +23,9 @@ CASES = {   # name: (DiLoCo kwargs, inner optimizer, save after this step)
     # saved when fragment 0 has synced (step 2) and fragment 1 not yet (step 4): its missing
     # momentum buffer once dropped fragment 0's from the checkpoint (0.096 off by step 6)
     "streaming, half synced": (dict(sync_every=4, fragments=2), "momentum", 3),
+    # saved inside the outer-momentum warm-up (after 2 of 4 outer steps): resumed at step 0
+    # of the ramp it took the full momentum at once (0.9 instead of 0.675 at the 3rd)
+    "outer warm-up": (dict(sync_every=2, outer_warmup=4), "adam", 5),
 }
 
 

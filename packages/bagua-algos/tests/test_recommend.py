@@ -232,6 +232,9 @@ def test_with_the_computation_known_communicating_rarely_is_a_candidate():
     assert name == "diloco" and kwargs["sync_every"] == h == math.ceil(sync / 0.029) == 31
     comp = kwargs["compressor"]
     assert isinstance(comp, MinMaxUInt4) and comp.chunks == 4 and comp.error_feedback
+    # the outer momentum that won at depth (the main job, 4 ranks: 0.9 never reached DDP's
+    # loss after 40 steps at H <= 4, 0.5 did)
+    assert kwargs["outer_momentum"] == 0.5
     assert scores["diloco"] == pytest.approx((0.29 + sync / h) * (1 + 0.4 * math.log(h)))
     assert diloco_steps_factor(1) == 1.0 and diloco_steps_factor(33) > diloco_steps_factor(7)
     assert "every" in why and "4 bits" in why

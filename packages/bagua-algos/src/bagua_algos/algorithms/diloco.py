@@ -14,6 +14,12 @@ travels in any one step.  ``overlap_steps=τ`` starts a fragment's allreduce aft
 applies it after step t + τ: the inner steps in between overlap the communication.  Local
 progress made meanwhile is kept: the correction the rank would have applied at t is applied
 at t + τ, ``θ_i ← θ_i(t + τ) + (θ_a_new - θ_i(t))`` (with τ = 0 this is ``θ_i ← θ_a_new``).
+
+Outer-momentum warm-up: ``outer_warmup=W`` ramps the outer momentum over each fragment's first
+W outer steps: its k-th outer step (k = 1, 2, ...) uses ``μ_k = outer_momentum · min(1, k/W)``
+in both places torch's SGD uses it, ``m ← μ_k·m + Δ`` and (Nesterov) ``u = Δ + μ_k·m``.  Early
+outer gradients are large and change direction quickly; a full momentum carries them into
+the next outer steps.  ``W = 0`` (default) is the constant momentum of the DiLoCo paper.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ class DiLoCo(Algorithm, name="diloco"):
     Args:
         sync_every: inner optimizer steps between syncs (H).
         outer_lr, outer_momentum, nesterov: the outer ``torch.optim.SGD``.
+        outer_warmup: W, each fragment's outer steps over which the outer momentum ramps
+            linearly up to ``outer_momentum`` (0: constant; see the module docstring).
         fragments: Streaming DiLoCo's P (at most the number of trainable tensors).
         overlap_steps: τ, inner steps a sync overlaps (< ``sync_every``).
         compressor: None (full precision) or a ``bagua_comm.compression.Compressor`` for the
@@ -64,13 +72,18 @@ class DiLoCo(Algorithm, name="diloco"):
 
     def __init__(self, sync_every: int = 32, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, fragments: int = 1, overlap_steps: int = 0,
-                 compressor=None, hierarchical: bool = False, *, anchor_device=None):
+                 compressor=None, hierarchical: bool = False, *, anchor_device=None,
+                 outer_warmup: int = 0):
         check_int_at_least("sync_every", sync_every, 1)
         check_number("outer_lr", outer_lr, "> 0 and < inf", lambda v: 0 < v < math.inf)
         check_number("outer_momentum", outer_momentum, ">= 0 and < 1", lambda v: 0 <= v < 1)
         check_bool("nesterov", nesterov)
         if nesterov and outer_momentum == 0:
             raise ValueError("nesterov=True needs outer_momentum > 0 (as torch.optim.SGD)")
+        check_int_at_least("outer_warmup", outer_warmup, 0)
+        if outer_warmup and outer_momentum == 0:
+            raise ValueError("outer_warmup ramps the outer momentum: it needs "
+                             "outer_momentum > 0")
         check_int_at_least("fragments", fragments, 1)
         check_int_at_least("overlap_steps", overlap_steps, 0)
         if overlap_steps >= sync_every:
@@ -99,6 +112,7 @@ class DiLoCo(Algorithm, name="diloco"):
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
         self.nesterov = nesterov
+        self.outer_warmup = outer_warmup
         self.fragments = fragments
         self.overlap_steps = overlap_steps
         self.compressor = compressor
@@ -154,6 +168,7 @@ class DiLoCoImpl(AlgorithmImpl):
         self._counted = False          # this backward's step was counted (not finite)
         self._counts: dict[int, int] = {}
         self.pending: dict[int, _Sync] = {}
+        self.outer_steps = [0] * self.P  # outer steps taken, per fragment (the warm-up's k)
         self.params = None
 
     # -- layout ---------------------------------------------------------------------------------
@@ -303,6 +318,8 @@ class DiLoCoImpl(AlgorithmImpl):
             a.grad = None
         anchor.grad = s.delta.to(self.anchor_device)
         kept = self._frozen_slices(fragment, anchor)
+        self.outer_steps[fragment] += 1
+        self.outer.param_groups[0]["momentum"] = self.momentum_at(self.outer_steps[fragment])
         self.outer.step()
         anchor.grad = None
         for at, n, old, m in kept:
@@ -319,6 +336,11 @@ class DiLoCoImpl(AlgorithmImpl):
         self.scatter(fragment, new)
         if fragment == self.P - 1:
             self.average_buffers()
+
+    def momentum_at(self, k: int) -> float:
+        """The outer momentum of a fragment's k-th outer step (1-based): the warm-up's ramp."""
+        warmup = self.algo.outer_warmup
+        return self.algo.outer_momentum * (min(1.0, k / warmup) if warmup else 1.0)
 
     def _frozen_slices(self, fragment: int, anchor: torch.Tensor) -> list:
         """(position, length, anchor values, outer momentum) of the fragment's parameters that
@@ -387,7 +409,8 @@ class DiLoCoImpl(AlgorithmImpl):
                        "start": None if s.start is None else s.start.cpu().clone()}
                    for f, s in self.pending.items()}
         out = {"steps": self.steps, "fragments": self.P, "sync_every": self.H,
-               "anchor": self._by_name(self.anchors), "pending": pending}
+               "anchor": self._by_name(self.anchors), "pending": pending,
+               "outer_steps": list(self.outer_steps)}
         if momentum is not None:
             out["momentum"] = self._by_name(momentum)
         if self.compressor is not None:
@@ -416,6 +439,14 @@ class DiLoCoImpl(AlgorithmImpl):
             self.pending[int(f)] = _Sync(s["delta"].to(self.device), start, None,
                                          int(s["apply_at"]))
         self.steps = int(state["steps"])
+        # each fragment's outer steps (the warm-up's position); a checkpoint from before they
+        # were saved, or of another fragments count: the most any fragment took
+        saved = [int(k) for k in state.get("outer_steps", ())]
+        if len(saved) != self.P:
+            taken = max(saved, default=0 if "momentum" not in state else
+                        self.algo.outer_warmup)
+            saved = [taken] * self.P
+        self.outer_steps = saved
         for k in self.counts_of:
             self.counts_of[k] = self.steps
         if with_compressor and "compressor" in state and self.compressor is not None:

@@ -55,7 +55,16 @@ STEPS_FACTOR = {"gradient_allreduce": 1.0, "bytegrad": 1.05, "decentralized": 1.
 #: averaging every H steps recovers part of it).  Measured on 4 ranks: 1.2-1.6x DDP's steps
 #: at H=3-11 on the map's 10-step cells (small model), 2.5x at H=7 and 3.5x at H=33 on the
 #: main job's 30-step run (base model): 1 + b ln H with b 0.15-0.25 and 0.7-0.75; 0.4 between.
+#: At depth, with :data:`DILOCO_OUTER_MOMENTUM` (the main job on 4 ranks over loopback, small
+#: model, H = 2-16): to DDP's loss after 40 steps b = 0.18-0.9 (1.4-2x DDP's steps), after
+#: 60 steps b = 0.08-0.24 (1.17-1.33x): the factor depends on the target's depth; 0.4 stays.
 DILOCO_STEPS_PER_LOG_H = 0.4
+#: The outer momentum recommend's DiLoCo runs with (outer_lr stays 0.7): a steady outer
+#: gradient moves the anchor 0.7 / (1 - 0.5) = 1.4x per sync instead of 7x at 0.9.  At depth
+#: (the runs above) 0.9 never reached DDP's loss after 40 steps at H = 2 and 4 (its loss
+#: stopped falling after ~35 steps, near what training alone reaches), needed 70 steps at H = 8
+#: where 0.5 needed 55, and the same 80 at H = 16
+DILOCO_OUTER_MOMENTUM = 0.5
 #: DiLoCo as recommend runs it: the outer gradient in 4 bits with error feedback (an eighth of
 #: float32's bytes; the main job's fastest DiLoCo row), so each sync costs about this much of
 #: a float32 allreduce's transfer
@@ -260,6 +269,7 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
 
         # chunks: one per rank exchanging the outer gradient (node leaders when hierarchical)
         kwargs["sync_every"] = h
+        kwargs["outer_momentum"] = DILOCO_OUTER_MOMENTUM
         kwargs["compressor"] = MinMaxUInt4(n if hier else world_size, error_feedback=True)
     if best == "decentralized":
         kwargs["peer_selection_mode"] = "shift_one"
@@ -270,7 +280,8 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
            "low_precision_decentralized": "latency- and bandwidth-bound: one compressed "
                                           "exchange with two neighbours",
            "diloco": f"communication dominates the step: train locally and average every "
-                     f"{h} steps, the outer gradient in 4 bits (DiLoCo)"}[best]
+                     f"{h} steps, the outer gradient in 4 bits, outer momentum "
+                     f"{DILOCO_OUTER_MOMENTUM} (DiLoCo)"}[best]
     est = ", ".join(f"{a} {1e3 * s:.0f}" for a, s in sorted(scores.items(), key=lambda x: x[1]))
     return best, kwargs, f"{why} (est. ms/step x steps factor: {est})", scores
 
