@@ -124,3 +124,36 @@ def test_the_auto_row_scores_the_choice_and_never_wins_a_cell(tmp_path):
     assert main(["--from-json", str(a), str(b), "--json", str(tmp_path / "t.json"),
                  "--plot", str(tmp_path / "t.png")]) == 0
     assert len(json.loads((tmp_path / "t.json").read_text())["cells"]) == 3
+
+
+def test_the_rules_diloco_pick_is_scored_by_its_outer_momentum_row():
+    """recommend's DiLoCo runs with outer momentum DILOCO_OUTER_MOMENTUM (the e2e row
+    ``diloco_u4_m05``): a cell without an ``auto`` row scores the rule's pick by that row,
+    an older report's 4-bit row (the paper's 0.9) only where the cell lacks it."""
+    from _e2e_rows import _VARIANTS, OUTER_BYTES
+    from tradeoff import auto_pick
+
+    from bagua_algos.tuning.recommend import DILOCO_OUTER_BYTES, DILOCO_OUTER_MOMENTUM, choose
+
+    # the row is DiLoCo as recommend runs it: its outer momentum and its outer bytes
+    assert _VARIANTS["diloco_u4_m05"] == ("diloco", {"outer_momentum": DILOCO_OUTER_MOMENTUM})
+    assert OUTER_BYTES["diloco_u4_m05"] == DILOCO_OUTER_BYTES
+
+    params, compute = 3_300_000, 0.05
+    # the precondition, from the rule itself: on this cell it picks DiLoCo with momentum 0.5
+    name, kwargs, _why, _scores = choose(10, 50, 4, 4 * params, compute_s=compute)
+    assert name == "diloco" and kwargs["outer_momentum"] == DILOCO_OUTER_MOMENTUM == 0.5
+    assert auto_pick(10, 50, 4, 4 * params, compute) == "diloco"
+    rows = [_run(10, 50, "ddp", 60.0), _run(10, 50, "alone", None),
+            _run(10, 50, "diloco", 20.0), _run(10, 50, "diloco_u4", 16.0),
+            _run(10, 50, "diloco_u4_m05", 12.0)]
+    report = {"model": {"params": params}, "config": {}, "runs": rows}
+    [cell] = build_map(report)
+    assert cell["winner"] == "diloco_u4_m05"
+    assert cell["auto"] == "diloco" and cell["auto_vs_best"] == pytest.approx(1.0)
+    # an older report without the momentum-0.5 row: its 4-bit row stands in
+    [cell] = build_map({**report, "runs": rows[:4]})
+    assert cell["auto"] == "diloco" and cell["auto_vs_best"] == pytest.approx(1.0)
+    # neither 4-bit row: the plain DiLoCo row
+    [cell] = build_map({**report, "runs": [*rows[:3], _run(10, 50, "bytegrad", 10.0)]})
+    assert cell["auto"] == "diloco" and cell["auto_vs_best"] == pytest.approx(20.0 / 10.0)
