@@ -106,6 +106,19 @@ def test_ratios_against_ddp_go_one_way():
     assert not bad, bad
 
 
+
+def test_benchmark_readmes_put_ratios_as_times():
+    """The benchmarks' own READMEs (their run-by-run history included) say a ratio as a
+    multiple of a time ("0.77x flat ByteGrad's time"), never "1.3x faster" or "1.38x sooner";
+    the output tables they quote from older runs are left as those runs printed them."""
+    pages = sorted((ROOT / "benchmarks").rglob("README.md"))
+    assert pages
+    other_way = re.compile(r"\d(?:\.\d+)?x (?:sooner|faster)")
+    bad = [(str(p.relative_to(ROOT)), m.group(0)) for p in pages
+           for m in other_way.finditer(prose(p.read_text()))]
+    assert not bad, bad
+
+
 def test_the_number_of_algorithms_is_said_one_way():
     # the installed package (never src/ on sys.path: the ranks later tests spawn inherit the
     # parent's sys.path and would import bagua_comm without its compiled kernels)

@@ -25,9 +25,9 @@ REQUIRED = ("bandwidth_mbit", "latency_ms", "algorithm", "samples_per_s", "loss"
 # Every field a measured run has (time to accuracy included).
 FIELDS = REQUIRED + ("status", "world_size", "procs_per_host", "step_s", "compute_s", "comm_s",
                      "bytes_per_step_accounted", "bytes_source", "window_steps", "window_s",
-                     "loss_at_wall", "eval_curve", "loss_curve", "speedup_vs_ddp",
+                     "loss_at_wall", "eval_curve", "loss_curve", "step_x_ddp_time",
                      "loss_vs_ddp", "ddp_loss_target", "time_to_ddp_loss_s",
-                     "tta_speedup_vs_ddp", "budget_s")
+                     "tta_x_ddp_time", "budget_s")
 TINY = ["--quick", "--size", "tiny", "--steps", "4", "--warmup", "1", "--wall-seconds", "0.5",
         "--hosts", "2", "--procs-per-host", "1"]
 
@@ -96,7 +96,8 @@ def test_e2e_writes_every_field_and_ddp_traffic_matches_a_ring_allreduce(tmp_pat
     assert ga["status"] == "ok", ga          # a crashed row fails the test, never passes it
     # Same averaged gradients as DDP, same optimizer, same data: the same loss.
     assert ga["loss"] == pytest.approx(ddp["loss"], rel=1e-4)
-    assert ga["speedup_vs_ddp"] == pytest.approx(ga["samples_per_s"] / ddp["samples_per_s"])
+    # ratios are times, as a multiple of DDP's (< 1: sooner)
+    assert ga["step_x_ddp_time"] == pytest.approx(ddp["samples_per_s"] / ga["samples_per_s"])
 
 
 WITHOUT_EXTRAS = "without-extras"
@@ -390,7 +391,7 @@ def test_diloco_targets_take_the_fastest_diloco_row_and_each_rows_bytes_at_its_o
     def run(name, t, **kw):
         return {"algorithm": name, "status": "ok", "bandwidth_mbit": 100, "latency_ms": 0,
                 "world_size": 4, "procs_per_host": 1, "time_to_ddp_loss_s": t,
-                "speedup_vs_ddp": 1.0, "comm_s": 1.7 if name == "ddp" else 0.0,
+                "step_x_ddp_time": 1.0, "comm_s": 1.7 if name == "ddp" else 0.0,
                 "step_s": 1.98 if name == "ddp" else 0.3, **kw}
 
     runs = [run("ddp", 59.3, bytes_per_step=19.85e6, window_steps=30),
@@ -402,7 +403,7 @@ def test_diloco_targets_take_the_fastest_diloco_row_and_each_rows_bytes_at_its_o
     time = got[("DiLoCo time to DDP's loss vs DDP's, 4 hosts", "diloco_u4")]
     assert time["value"] == pytest.approx(26.8 / 59.3) and not time["met"]
     peer = got[("DiLoCo ahead of torchft's DiLoCo", "diloco_u4")]
-    assert peer["value"] == pytest.approx(41.4 / 26.8) and peer["met"]
+    assert peer["value"] == pytest.approx(26.8 / 41.4) and peer["met"]
     fp32 = got[("DiLoCo bytes per step vs DDP's", "diloco")]
     assert fp32["value"] == pytest.approx(1 / 33) and not fp32["met"]
     u4 = got[("DiLoCo bytes per step vs DDP's", "diloco_u4")]
@@ -435,7 +436,7 @@ def test_sparse_targets_take_the_best_topk_or_low_rank_row_against_bytegrad_and_
     def run(name, t, mb):
         return {"algorithm": name, "status": "ok", "bandwidth_mbit": 100, "latency_ms": 0,
                 "world_size": 4, "procs_per_host": 1, "time_to_ddp_loss_s": t,
-                "speedup_vs_ddp": 1.0, "bytes_per_step": mb * 1e6,
+                "step_x_ddp_time": 1.0, "bytes_per_step": mb * 1e6,
                 "comm_s": 1.7 if name == "ddp" else 0.2, "step_s": 1.96 if name == "ddp" else 0.5}
 
     runs = [run("ddp", 58.7, 19.85), run("bytegrad", 27.6, 4.99),
@@ -444,12 +445,45 @@ def test_sparse_targets_take_the_best_topk_or_low_rank_row_against_bytegrad_and_
     got = {t["target"].split(" (")[0].split(",")[0]: t for t in check_targets(runs)}
     best = got["best TopK/LowRank sooner to DDP's loss than ByteGrad"]
     assert best["algorithm"] == "low_rank_r32_u8" and best["met"]
-    assert best["value"] == pytest.approx(27.6 / 19.6)
+    assert best["value"] == pytest.approx(19.6 / 27.6)
     topk = got["TopK bytes per step vs the PowerSGD hook's"]
     assert topk["value"] == pytest.approx(0.27 / 0.33) and topk["met"]
     low = got["LowRank no later to DDP's loss than the PowerSGD hook"]
-    assert low["value"] == pytest.approx(61.7 / 69.7) and not low["met"]
+    assert low["value"] == pytest.approx(69.7 / 61.7) and not low["met"]
     # without the quantised row, ByteGrad stays ahead: not met
     slower = [r for r in runs if r["algorithm"] != "low_rank_r32_u8"]
     miss = next(t for t in check_targets(slower) if t["target"].startswith("best TopK"))
     assert miss["algorithm"] == "topk" and not miss["met"]
+
+
+def test_ratios_to_ddp_are_times_lower_is_sooner():
+    """One direction for every ratio the main job writes and prints (issue 48): a run's time
+    (of a sample, to DDP's loss) as a multiple of DDP's, < 1 sooner; the throughput targets
+    are the same rule put as times (1.5x DDP's throughput: <= 1/1.5 of its time)."""
+    from _e2e_report import add_ratios, check_targets
+
+    def run(name, sps, t, bw=100):
+        return {"algorithm": name, "status": "ok", "bandwidth_mbit": bw, "latency_ms": 0,
+                "world_size": 4, "procs_per_host": 1, "samples_per_s": sps, "loss": 2.0,
+                "eval_curve": [[10, t, 2.0]], "comm_s": 1.7 if name == "ddp" else 0.2,
+                "step_s": 2.0 if name == "ddp" else 0.5}
+
+    runs = [run("ddp", 100.0, 60.0), run("decentralized", 160.0, 50.0),
+            run("decentralized_shift_one", 140.0, 40.0), run("bytegrad", 300.0, 20.0),
+            run("ddp", 100.0, 10.0, bw=None), run("gradient_allreduce", 96.0, 10.0, bw=None)]
+    add_ratios(runs)
+    dec = runs[1]
+    assert dec["step_x_ddp_time"] == pytest.approx(100 / 160)
+    assert dec["tta_x_ddp_time"] == pytest.approx(50 / 60)
+    assert runs[0]["step_x_ddp_time"] == runs[0]["tta_x_ddp_time"] == 1.0
+    assert not any(k.startswith(("speedup", "tta_speedup")) for r in runs for k in r)
+    got = {t["target"].split(",")[0].split(" (")[0]: t for t in check_targets(runs)}
+    thr = got["Decentralized time of a sample vs DDP's"]
+    assert thr["algorithm"] == "decentralized" and thr["value"] == pytest.approx(100 / 160)
+    assert thr["met"]                                  # 1.6x DDP's throughput >= 1.5x
+    ga = got["unshaped GradientAllReduce time of a sample vs DDP's"]
+    assert ga["value"] == pytest.approx(100 / 96) and ga["met"]   # 0.96x throughput >= 0.95x
+    runs[-1]["samples_per_s"] = 94.0
+    add_ratios(runs)
+    ga = next(t for t in check_targets(runs) if t["target"].startswith("unshaped"))
+    assert ga["value"] == pytest.approx(100 / 94) and not ga["met"]

@@ -37,7 +37,7 @@ def test_each_cell_names_its_winner_margin_and_the_automatic_choice(tmp_path):
     assert set(cells) == {(100, 0), (100, 50), (10, 50)}
     a, b, c = cells[(100, 0)], cells[(100, 50)], cells[(10, 50)]
     assert a["winner"] == "bytegrad" and a["margin"] == pytest.approx(8 / 5)
-    assert a["winner_vs_ddp"] == pytest.approx(2.0)
+    assert a["winner_x_ddp_time"] == pytest.approx(5.0 / 10.0)   # < 1: sooner than DDP
     assert b["winner"] == "decentralized_shift_one" and b["margin"] == pytest.approx(25 / 12)
     assert c["winner"] == "ddp" and c["margin"] is None  # nobody else reached DDP's loss
     assert b["times_s"] == {"ddp": 30.0, "bytegrad": 25.0, "decentralized_shift_one": 12.0}

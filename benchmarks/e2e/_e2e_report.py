@@ -53,21 +53,24 @@ def time_to_loss(curve, target: float):
 
 
 def add_ratios(runs: list[dict]) -> None:
-    """Add the ratios to DDP of the same cell (bandwidth and latency) and run: ``speedup_vs_ddp`` (throughput),
-    ``loss_vs_ddp`` (held-out loss after N steps), ``ddp_loss_target`` (DDP's loss after N
-    steps), ``time_to_ddp_loss_s`` (wall time to reach it; None if never within the budget)
-    and ``tta_speedup_vs_ddp`` (DDP's time to its loss / this run's)."""
+    """Add the ratios to DDP of the same cell (bandwidth and latency) and run, times as a
+    multiple of DDP's (< 1: sooner): ``step_x_ddp_time`` (the time of a sample, DDP's
+    throughput / this run's), ``loss_vs_ddp`` (held-out loss after N steps),
+    ``ddp_loss_target`` (DDP's loss after N steps), ``time_to_ddp_loss_s`` (wall time to
+    reach it; None if never within the budget) and ``tta_x_ddp_time`` (this run's time to
+    DDP's loss / DDP's)."""
     for r in runs:
         ddp = _ddp(runs, cell(r))
         ok = r["status"] == "ok" and ddp is not None
-        r["speedup_vs_ddp"] = r["samples_per_s"] / ddp["samples_per_s"] if ok else None
+        r["step_x_ddp_time"] = (ddp["samples_per_s"] / r["samples_per_s"]
+                                if ok and r["samples_per_s"] else None)
         r["loss_vs_ddp"] = r["loss"] / ddp["loss"] if ok else None
         r["ddp_loss_target"] = ddp["loss"] if ok else None
         r["time_to_ddp_loss_s"] = time_to_loss(r.get("eval_curve"), ddp["loss"]) if ok else None
     for r in runs:
         ddp = _ddp(runs, cell(r))
         t, t_ddp = r["time_to_ddp_loss_s"], ddp and ddp["time_to_ddp_loss_s"]
-        r["tta_speedup_vs_ddp"] = t_ddp / t if t and t_ddp else None
+        r["tta_x_ddp_time"] = t / t_ddp if t and t_ddp else None
 
 
 def _best(runs, c, names) -> dict | None:
@@ -91,9 +94,9 @@ def _diloco_targets(add, runs, by, c, ddp, hosts) -> None:
             best["algorithm"] if best else "diloco", v, "<= 0.2", v is not None and v <= 0.2)
     peer = by.get((c, "ft_diloco"))
     if rows and peer and peer.get("time_to_ddp_loss_s"):
-        v = peer["time_to_ddp_loss_s"] / best["time_to_ddp_loss_s"] if best else None
-        add("DiLoCo ahead of torchft's DiLoCo (its time / ours)", c,
-            best["algorithm"] if best else "diloco", v, ">= 1", v is not None and v >= 1)
+        v = best["time_to_ddp_loss_s"] / peer["time_to_ddp_loss_s"] if best else None
+        add("DiLoCo ahead of torchft's DiLoCo (our time / its)", c,
+            best["algorithm"] if best else "diloco", v, "<= 1", v is not None and v <= 1)
     from _e2e_rows import OUTER_BYTES
 
     for name in ("diloco", "diloco_u8", "diloco_u4"):     # each at the H the rule gave it
@@ -119,19 +122,19 @@ def _sparse_targets(add, runs, by, c, hosts) -> None:
     rows = [a for (cc, a) in by if cc == c and a.startswith(("topk", "low_rank"))]
     best, bg = _best(runs, c, rows), by.get((c, "bytegrad"))
     if rows and bg and bg.get("time_to_ddp_loss_s"):
-        v = bg["time_to_ddp_loss_s"] / best["time_to_ddp_loss_s"] if best else None
-        add(f"best TopK/LowRank sooner to DDP's loss than ByteGrad (ByteGrad's time / its), "
-            f"{hosts} hosts", c, best["algorithm"] if best else "-", v, "> 1",
-            v is not None and v > 1)
+        v = best["time_to_ddp_loss_s"] / bg["time_to_ddp_loss_s"] if best else None
+        add(f"best TopK/LowRank sooner to DDP's loss than ByteGrad (its time / ByteGrad's), "
+            f"{hosts} hosts", c, best["algorithm"] if best else "-", v, "< 1",
+            v is not None and v < 1)
     hook, topk, low = by.get((c, "ddp_powersgd")), by.get((c, "topk")), by.get((c, "low_rank"))
     if hook and topk and hook.get("bytes_per_step") and topk.get("bytes_per_step") is not None:
         v = topk["bytes_per_step"] / hook["bytes_per_step"]
         add("TopK bytes per step vs the PowerSGD hook's", c, "topk", v, "<= 1", v <= 1)
     if hook and low and hook.get("time_to_ddp_loss_s"):
         t = low.get("time_to_ddp_loss_s")
-        v = hook["time_to_ddp_loss_s"] / t if t else None
-        add("LowRank no later to DDP's loss than the PowerSGD hook (hook's time / its)", c,
-            "low_rank", v, ">= 1", v is not None and v >= 1)
+        v = t / hook["time_to_ddp_loss_s"] if t else None
+        add("LowRank no later to DDP's loss than the PowerSGD hook (its time / the hook's)", c,
+            "low_rank", v, "<= 1", v is not None and v <= 1)
 
 
 def check_targets(runs: list[dict]) -> list[dict]:
@@ -156,24 +159,27 @@ def check_targets(runs: list[dict]) -> list[dict]:
             dec = [by[(c, a)] for a in ("decentralized", "decentralized_shift_one")
                    if (c, a) in by]
             if dec:
-                best = max(dec, key=lambda r: r["speedup_vs_ddp"])
-                add(f"Decentralized throughput vs DDP, {hosts} hosts", c, best["algorithm"],
-                    best["speedup_vs_ddp"], ">= 1.5", best["speedup_vs_ddp"] >= 1.5)
+                # 1.5x DDP's throughput: a sample in <= 1/1.5 of DDP's time
+                best = min(dec, key=lambda r: r["step_x_ddp_time"])
+                v = best["step_x_ddp_time"]
+                add(f"Decentralized time of a sample vs DDP's, {hosts} hosts", c,
+                    best["algorithm"], v, "<= 0.67", v <= 1 / 1.5)
                 t_dec = _best(runs, c, ("decentralized", "decentralized_shift_one"))
                 if c[1] >= 50 and ddp.get("time_to_ddp_loss_s"):
-                    v = (ddp["time_to_ddp_loss_s"] / t_dec["time_to_ddp_loss_s"]
+                    v = (t_dec["time_to_ddp_loss_s"] / ddp["time_to_ddp_loss_s"]
                          if t_dec else None)
                     add(f"Decentralized reaches DDP's loss sooner than DDP, {hosts} hosts "
-                        f"(DDP's time / its)", c, t_dec["algorithm"] if t_dec else "-", v,
-                        "> 1", v is not None and v > 1)
+                        f"(its time / DDP's)", c, t_dec["algorithm"] if t_dec else "-", v,
+                        "< 1", v is not None and v < 1)
         if bw == 100 and hosts >= 4:
             _diloco_targets(add, runs, by, c, ddp, hosts)
             _sparse_targets(add, runs, by, c, hosts)
         hier, flat = by.get((c, "bytegrad")), by.get((c, "bytegrad_flat"))
         if bw is not None and hier and flat and (ddp.get("procs_per_host") or 1) > 1:
-            v = hier["samples_per_s"] / flat["samples_per_s"]
-            add("hierarchical ByteGrad vs flat ByteGrad (throughput)", c, "bytegrad", v,
-                ">= 1.3", v >= 1.3)
+            # 1.3x flat's throughput: a sample in <= 1/1.3 of flat's time
+            v = flat["samples_per_s"] / hier["samples_per_s"]
+            add("hierarchical ByteGrad vs flat ByteGrad (time of a sample)", c, "bytegrad", v,
+                "<= 0.77", v <= 1 / 1.3)
         t_ddp = ddp.get("time_to_ddp_loss_s")
         ours = _best(runs, c, bagua)
         if bw is not None and t_ddp and ddp["comm_s"] >= 0.5 * ddp["step_s"]:
@@ -183,14 +189,15 @@ def check_targets(runs: list[dict]) -> list[dict]:
         peer = _best(runs, c, DDP_PEERS)
         if peer is not None:
             ok = ours is not None and ours["time_to_ddp_loss_s"] <= peer["time_to_ddp_loss_s"]
-            v = (peer["time_to_ddp_loss_s"] / ours["time_to_ddp_loss_s"]) if ours else None
-            add(f"no DDP-hook peer sooner than our best ({peer['algorithm']}'s time / "
-                f"{ours['algorithm'] if ours else 'none'}'s)", c,
-                ours["algorithm"] if ours else "-", v, ">= 1", ok)
+            v = (ours["time_to_ddp_loss_s"] / peer["time_to_ddp_loss_s"]) if ours else None
+            add(f"no DDP-hook peer sooner than our best ({ours['algorithm'] if ours else 'none'}"
+                f"'s time / {peer['algorithm']}'s)", c,
+                ours["algorithm"] if ours else "-", v, "<= 1", ok)
         if c == (None, 0) and (c, "gradient_allreduce") in by:
-            s = by[(c, "gradient_allreduce")]["speedup_vs_ddp"]
-            add("unshaped GradientAllReduce throughput vs DDP", c, "gradient_allreduce", s,
-                ">= 0.95", s >= 0.95)
+            # >= 0.95x DDP's throughput: a sample in <= 1/0.95 of DDP's time
+            s = by[(c, "gradient_allreduce")]["step_x_ddp_time"]
+            add("unshaped GradientAllReduce time of a sample vs DDP's", c, "gradient_allreduce",
+                s, "<= 1.05", s is not None and s <= 1 / 0.95)
     return out
 
 

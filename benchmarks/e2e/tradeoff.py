@@ -103,7 +103,7 @@ def build_map(report: dict, exclude=()) -> list[dict]:
         entry = {"bandwidth_mbit": c[0], "latency_ms": c[1], "label": cell_label(c),
                  "target": headline or "DDP's loss after N steps",
                  "efficiency": {r["algorithm"]: r.get("efficiency") for r in runs},
-                 "times_s": times, "winner": None, "margin": None, "winner_vs_ddp": None,
+                 "times_s": times, "winner": None, "margin": None, "winner_x_ddp_time": None,
                  "auto": None, "auto_vs_best": None,
                  # the floor (every rank alone, no communication): its time / the winner's
                  # (None: it never reached the target; < 1 would mean not talking wins)
@@ -117,7 +117,8 @@ def build_map(report: dict, exclude=()) -> list[dict]:
             entry["winner"] = reached[0][1]
             entry["margin"] = reached[1][0] / reached[0][0] if len(reached) > 1 else None
             if times.get("ddp"):
-                entry["winner_vs_ddp"] = times["ddp"] / reached[0][0]
+                # the winner's time as a multiple of DDP's (< 1: sooner)
+                entry["winner_x_ddp_time"] = reached[0][0] / times["ddp"]
             if times.get("alone"):
                 entry["alone_vs_best"] = times["alone"] / reached[0][0]
         if ddp is not None:
@@ -152,8 +153,8 @@ def heatmap(entries: list[dict], path: Path, title: str = "") -> Path | None:
             text += f" (eff {e['efficiency'][e['winner']]:.2f})"
         if e["margin"]:
             text += f"\nby {e['margin']:.2f}x"
-        if e["winner_vs_ddp"]:
-            text += f", {e['winner_vs_ddp']:.2f}x DDP"
+        if e["winner_x_ddp_time"]:
+            text += f", {e['winner_x_ddp_time']:.2f}x DDP's time"
         if e["auto"]:
             vs = e["auto_vs_best"]
             text += f"\nauto: {e['auto']}" + (f" ({vs:.2f}x best)" if vs else " (never)")
