@@ -181,3 +181,100 @@ def test_the_sampler_benchmark_records_its_tables_end_to_end(results):
     for name, row in padding.items():
         assert row["x_ref_padded"] == pytest.approx(row["padded"] / ref, abs=1e-4), name
     assert padding["torch"]["x_ref_padded"] > 1          # padding a random order costs more
+
+
+def test_the_comm_benchmark_writes_collectives_and_compressors_as_times(results):
+    comm = _module("benchmarks/micro/comm.py", "_micro_comm_under_test")
+    rows = [("allreduce", 4 << 20, 0.021, 0.020), ("alltoall", 4 << 10, 0.0005, 0.0004)]
+    overhead = {"allreduce": (12e-6, 10e-6)}
+    copy = {"copy (Tensor.copy_)": 8.0, "copy (numpy.copyto)": 10.0}
+    uint8 = {"compress (ours)": 4.0, "compress (ours, out=)": 5.0, "compress (torch ops)": 1.0,
+             "decompress (ours)": 5.0, "decompress (torch ops)": 2.0, **copy}
+    uint4 = {"compress (out=)": 2.5, "decompress": 4.0, "round trip": 1.6, **copy}
+    _results.record_from_args(_args(results, "comm"), "benchmarks/micro/comm.py",
+                              comm.figures(2, rows, overhead, uint8, uint4), ["--quick"], None)
+    entry = _kept(results, "comm")
+    assert entry["command"] == "python benchmarks/micro/comm.py --quick"
+    fig = entry["figures"]
+    assert fig["world"] == 2
+    assert fig["collectives"]["allreduce | 4 MiB"] == {
+        "bytes": 4 << 20, "ours_us": 21000.0, "torch_us": 20000.0,
+        "x_torch_time": round(0.021 / 0.020, 4)}
+    assert fig["collectives"]["alltoall | 4 KiB"]["x_torch_time"] == round(0.0005 / 0.0004, 4)
+    assert fig["overhead_us"]["allreduce"] == {"ours": 12.0, "torch": 10.0, "difference": 2.0}
+    # a compressor's time as a multiple of the faster copy's and of torch ops' (< 1: faster)
+    assert fig["uint8"]["x_copy_time"] == {"compress (ours)": 10 / 4, "decompress (ours)": 2.0}
+    assert fig["uint8"]["x_torch_ops_time"] == {"compress (ours)": 0.25,
+                                                "decompress (ours)": 0.4}
+    assert fig["uint4"]["x_copy_time"] == {"compress (out=)": 4.0, "decompress": 2.5,
+                                           "round trip": round(10 / 1.6, 4)}
+    assert fig["uint4"]["gbs"]["round trip"] == 1.6
+    # without the collectives (--compression-only) the file keeps the compressors alone
+    assert set(comm.figures(2, None, None, uint8, uint4)) == {"world", "uint8", "uint4"}
+
+
+def test_the_comm_benchmark_records_its_compressors_end_to_end(results):
+    """benchmarks/micro/comm.py, run for real (the compressors only, --quick) with
+    ``--results``: each compressor's GB/s and its multiple of the copy's time land in the
+    file, consistent with one another."""
+    pytest.importorskip("bagua_comm.compression")
+    cmd = [sys.executable, "benchmarks/micro/comm.py", "--quick", "--compression-only",
+           "--results", str(results), "--results-run", "comm-smoke"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    fig = _kept(results, "comm-smoke")["figures"]
+    assert "collectives" not in fig
+    for key in ("uint8", "uint4"):
+        gbs = fig[key]["gbs"]
+        copy = max(gbs["copy (Tensor.copy_)"], gbs["copy (numpy.copyto)"])
+        for name, x in fig[key]["x_copy_time"].items():
+            assert x == pytest.approx(copy / gbs[name], rel=2e-3), (key, name)
+
+
+def test_the_net_benchmark_writes_gbs_and_times_against_iperf3_and_a_baseline(results):
+    net = _module("benchmarks/micro/net.py", "_micro_net_under_test")
+    mib = 1 << 20
+    sizes = [mib, 16 * mib]
+    plugin = {1: {mib: 0.5, 16 * mib: 1.0}, 4: {mib: 1.2, 16 * mib: 3.0}}
+    iperf = {1: 1.1, 4: 2.4}
+    base = {"gbs": {(mib, 4): (1.2, 1.5)}, "setup_s": {4: (0.002, 0.004)}}
+    figs = net.figures({"loopback": (sizes, plugin, iperf)}, base)
+    _results.record_from_args(_args(results, "net"), "benchmarks/micro/net.py", figs,
+                              ["--quick", "--link", "loopback"], None)
+    fig = _kept(results, "net")["figures"]
+    loop = fig["loopback"]
+    assert loop["gbs"] == {"1 MiB | N=1": 0.5, "16 MiB | N=1": 1.0, "1 MiB | N=4": 1.2,
+                           "16 MiB | N=4": 3.0}
+    assert loop["iperf3_gbs"] == {"N=1": 1.1, "N=4": 2.4} and loop["largest"] == "16 MiB"
+    # bagua-net's time for the largest size's bytes as a multiple of iperf3's (-P N)
+    assert loop["x_iperf3_time"] == {"N=1": 1.1, "N=4": 0.8}
+    vs = fig["vs_baseline"]
+    assert vs["gbs"]["1 MiB | N=4"] == {"this": 1.2, "baseline": 1.5, "x_baseline_time": 1.25}
+    assert vs["setup_ms"]["N=4"] == {"this": 2.0, "baseline": 4.0, "x_baseline_time": 0.5}
+
+
+def test_the_autotune_benchmark_writes_each_links_choice_and_times(results):
+    autotune = _module("benchmarks/micro/autotune.py", "_micro_autotune_under_test")
+    summaries = [{"bandwidth_mbit": 100.0, "autotune_bucket_size": 4 << 20,
+                  "autotune_steps": 40, "autotune_done": True,
+                  "autotune_samples_per_s": 90.0, "best_label": "fixed 1 MiB",
+                  "best_samples_per_s": 100.0, "default_samples_per_s": 80.0,
+                  "noise_floor": 0.021},
+                 {"bandwidth_mbit": None, "autotune_bucket_size": 1 << 20,
+                  "autotune_steps": 25, "autotune_done": True,
+                  "autotune_samples_per_s": 300.0, "best_label": "fixed 256 KiB",
+                  "best_samples_per_s": 310.0, "default_samples_per_s": 300.0,
+                  "noise_floor": None}]
+    _results.record_from_args(_args(results, "autotune"), "benchmarks/micro/autotune.py",
+                              autotune.figures(summaries, "testbed: 2 hosts"),
+                              ["--bandwidths", "100,none"], None)
+    fig = _kept(results, "autotune")["figures"]
+    assert fig["mode"] == "testbed: 2 hosts"
+    from _e2e_report import bw_label
+
+    shaped, unshaped = fig["links"][bw_label(100.0)], fig["links"][bw_label(None)]
+    # autotuned's step time as a multiple of the best fixed size's and the default's
+    assert shaped["x_best_time"] == round(100 / 90, 4) and shaped["x_default_time"] == round(
+        80 / 90, 4)
+    assert shaped["autotune_bucket_size"] == 4 << 20 and shaped["autotune_steps"] == 40
+    assert unshaped["x_default_time"] == 1.0 and unshaped["best_fixed"] == "fixed 256 KiB"

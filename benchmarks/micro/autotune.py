@@ -28,6 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import _paths  # noqa: E402,F401  (testbed and benchmarks/e2e on sys.path)
+import _results  # noqa: E402
 
 # isort: split
 from _e2e_model import make_model, num_params  # noqa: E402
@@ -64,6 +65,7 @@ def parse_args(argv=None):
     ap.add_argument("--workdir", type=Path, default=Path("out/autotune/work"))
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per bandwidth")
     ap.add_argument("--testbed-name", default="autotune")
+    _results.add_options(ap)
     args = ap.parse_args(argv)
     args.bandwidths = [None if b.strip().lower() in ("none", "unshaped") else float(b)
                        for b in args.bandwidths.split(",")]
@@ -188,6 +190,24 @@ def targets(summaries: list[dict]) -> list[dict]:
     return out
 
 
+def figures(summaries: list[dict], mode: str) -> dict:
+    """What docs/results.json keeps of a run (benchmarks/_results.py): per link, the bucket
+    size autotune settled on, the steps it took, and its step time as a multiple of the best
+    fixed size's and of the default's (ratios are times: < 1 is faster)."""
+    links = {}
+    for s in summaries:
+        links[bw_label(s["bandwidth_mbit"])] = {
+            "autotune_bucket_size": s["autotune_bucket_size"],
+            "autotune_steps": s["autotune_steps"], "autotune_done": s["autotune_done"],
+            "autotune_samples_per_s": s["autotune_samples_per_s"],
+            "best_fixed": s["best_label"], "best_samples_per_s": s["best_samples_per_s"],
+            "default_samples_per_s": s["default_samples_per_s"],
+            "x_best_time": s["best_samples_per_s"] / s["autotune_samples_per_s"],
+            "x_default_time": s["default_samples_per_s"] / s["autotune_samples_per_s"],
+            "noise_floor": s["noise_floor"]}
+    return _results.rounded({"mode": mode, "links": links}, 4)
+
+
 def plot(results: list[dict], summaries: list[dict], path: Path, subtitle: str):
     try:
         import matplotlib
@@ -222,6 +242,7 @@ def plot(results: list[dict], summaries: list[dict], path: Path, subtitle: str):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    start = _results.started()
     t_start = time.monotonic()
     tb, why = None, "--no-testbed given"
     if not args.no_testbed:
@@ -265,6 +286,8 @@ def main(argv=None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1))
     print(f"json: {args.json}; took {report['elapsed_s']:.0f}s")
+    _results.record_from_args(args, "benchmarks/micro/autotune.py", figures(summaries, mode),
+                              argv, start)
     return 0
 
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,9 @@ import torch.distributed as dist
 import bagua_comm as bc
 from bagua_comm.compression import HEADER_BYTES, MinMaxUInt4, MinMaxUInt8, record_bytes
 from bagua_comm.testing import run_ranks
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import _results
 
 PRIMITIVES = ["allreduce", "allgather", "reduce_scatter", "alltoall"]
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -217,6 +222,7 @@ def compression(nbytes, chunks, reps):
     print(f"decompress: ours / torch ops = "
           f"{gbs['decompress (ours)'] / gbs['decompress (torch ops)']:.2f}x; "
           f"ours / memcpy = {gbs['decompress (ours)'] / mc:.0%}")
+    return gbs
 
 
 def compression4(nbytes, chunks, reps):
@@ -248,6 +254,33 @@ def compression4(nbytes, chunks, reps):
     print(f"compress / memcpy = {gbs['compress (out=)'] / mc:.0%}; decompress / memcpy = "
           f"{gbs['decompress'] / mc:.0%}; compress + decompress (one round trip) = "
           f"{trip:.2f} GB/s = {trip / mc:.0%} of memcpy (target >= 50%)")
+    return {**gbs, "round trip": trip}
+
+
+def figures(world, rows=None, overhead=None, uint8=None, uint4=None) -> dict:
+    """What docs/results.json keeps of a run (benchmarks/_results.py): per collective and size
+    both times and ours as a multiple of torch's (< 1: faster); the per-call overhead; each
+    compressor's GB/s and its time as a multiple of the faster copy's and of torch ops'."""
+    out: dict = {"world": world}
+    if rows:
+        out["collectives"] = {f"{name} | {_fmt_size(nbytes)}": {
+            "bytes": nbytes, "ours_us": t_o * 1e6, "torch_us": t_t * 1e6,
+            "x_torch_time": t_o / t_t} for name, nbytes, t_o, t_t in rows}
+    if overhead:
+        out["overhead_us"] = {name: {"ours": t_o * 1e6, "torch": t_t * 1e6,
+                                     "difference": (t_o - t_t) * 1e6}
+                              for name, (t_o, t_t) in overhead.items()}
+    for key, gbs, ours in (("uint8", uint8, ("compress (ours)", "decompress (ours)")),
+                           ("uint4", uint4, ("compress (out=)", "decompress", "round trip"))):
+        if not gbs:
+            continue
+        copy = max(gbs["copy (Tensor.copy_)"], gbs["copy (numpy.copyto)"])
+        entry = {"gbs": dict(gbs), "x_copy_time": {k: copy / gbs[k] for k in ours}}
+        if key == "uint8":
+            entry["x_torch_ops_time"] = {
+                k: gbs[k.replace("(ours)", "(torch ops)")] / gbs[k] for k in ours}
+        out[key] = entry
+    return _results.rounded(out, 4)
 
 
 def main(argv=None):
@@ -256,20 +289,25 @@ def main(argv=None):
     p.add_argument("--world", type=int, default=2, help="gloo ranks (default 2)")
     p.add_argument("--compression-only", action="store_true",
                    help="only the compressors' throughput (no collectives)")
+    _results.add_options(p)
     args = p.parse_args(argv)
+    start = _results.started()
     if args.quick:
         sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20]
         rounds, budget, comp_bytes, reps = 5, 8 << 20, 16 << 20, 5
     else:
         sizes = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB .. 64 MiB
         rounds, budget, comp_bytes, reps = 9, 64 << 20, 64 << 20, 11
+    rows = overhead = None
     if not args.compression_only:
         rows, overhead = run_ranks(_collectives, args.world, args=(sizes, rounds, budget),
                                    timeout=1800)[0]
         print_collectives(rows, args.world)
         print_overhead(overhead)
-    compression(comp_bytes, chunks=args.world * 4, reps=reps)
-    compression4(comp_bytes, chunks=args.world * 4, reps=reps)
+    uint8 = compression(comp_bytes, chunks=args.world * 4, reps=reps)
+    uint4 = compression4(comp_bytes, chunks=args.world * 4, reps=reps)
+    _results.record_from_args(args, "benchmarks/micro/comm.py",
+                              figures(args.world, rows, overhead, uint8, uint4), argv, start)
 
 
 if __name__ == "__main__":

@@ -39,8 +39,12 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE.parent))  # benchmarks/
+import _results  # noqa: E402
+
 DEPTH = 8
 KiB, MiB = 1 << 10, 1 << 20
+FULL = [64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]  # the default sizes
 
 
 # -- the two roles (run as child processes, possibly inside a namespace) ----------------------
@@ -320,8 +324,9 @@ def run_setup(nstreams: int, lib: str | None, cycles: int = 30) -> float:
     return json.loads(line.split(maxsplit=1)[1])["seconds"]
 
 
-def compare(baseline: str, streams, sizes, budget, repeat) -> None:
-    """This build against ``baseline`` on loopback, interleaved; prints both and the ratio."""
+def compare(baseline: str, streams, sizes, budget, repeat) -> dict:
+    """This build against ``baseline`` on loopback, interleaved; prints both and the ratio and
+    returns the medians: ``{"gbs": {(size, N): (this, baseline)}, "setup_s": {N: (...)}}``."""
     import bagua_net
 
     ours_lib = bagua_net.library_path()
@@ -335,16 +340,42 @@ def compare(baseline: str, streams, sizes, budget, repeat) -> None:
     print(f"\n== loopback: this build / baseline ({baseline}), median of {repeat} interleaved "
           f"rounds; GB/s")
     print(f"{'size':>10} {'N':>3} {'this':>9} {'baseline':>9} {'ratio':>7}")
+    out: dict = {"gbs": {}, "setup_s": {}}
     for n in streams:
         for s in sizes:
             ours = statistics.median(x[s] for x in runs[ours_lib, n])
             base = statistics.median(x[s] for x in runs[baseline, n])
+            out["gbs"][s, n] = (ours, base)
             print(f"{_fmt_size(s):>10} {n:>3} {ours:9.4f} {base:9.4f} {ours / base:7.3f}")
     print(f"{'set-up ms':>10} {'N':>3} {'this':>9} {'baseline':>9} {'ratio':>7}")
     for n in streams:
-        ours = statistics.median(setup[ours_lib, n]) * 1e3
-        base = statistics.median(setup[baseline, n]) * 1e3
-        print(f"{'connect':>10} {n:>3} {ours:9.3f} {base:9.3f} {ours / base:7.3f}")
+        ours = statistics.median(setup[ours_lib, n])
+        base = statistics.median(setup[baseline, n])
+        out["setup_s"][n] = (ours, base)
+        print(f"{'connect':>10} {n:>3} {ours * 1e3:9.3f} {base * 1e3:9.3f} {ours / base:7.3f}")
+    return out
+
+
+def figures(links: dict | None = None, baseline: dict | None = None) -> dict:
+    """What docs/results.json keeps of a run (benchmarks/_results.py). ``links``: per link
+    name, ``(sizes, plugin, iperf)`` as ``measure`` returns them; ``baseline``: ``compare``'s
+    medians. GB/s per size and streams, and times as multiples (< 1: faster): bagua-net's
+    time to move the largest size's bytes / iperf3's (-P N), this build's / the baseline's."""
+    out: dict = {}
+    for name, (sizes, plugin, iperf) in (links or {}).items():
+        big = max(sizes)
+        out[name] = {
+            "gbs": {f"{_fmt_size(s)} | N={n}": plugin[n][s] for n in plugin for s in sizes},
+            "iperf3_gbs": {f"N={n}": iperf[n] for n in iperf},
+            "x_iperf3_time": {f"N={n}": iperf[n] / plugin[n][big] for n in plugin},
+            "largest": _fmt_size(big)}
+    if baseline:
+        out["vs_baseline"] = {
+            "gbs": {f"{_fmt_size(s)} | N={n}": {"this": a, "baseline": b, "x_baseline_time": b / a}
+                    for (s, n), (a, b) in baseline["gbs"].items()},
+            "setup_ms": {f"N={n}": {"this": 1e3 * a, "baseline": 1e3 * b, "x_baseline_time": a / b}
+                         for n, (a, b) in baseline["setup_s"].items()}}
+    return _results.rounded(out, 4)
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -401,6 +432,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lib", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--handle", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    _results.add_options(ap)
     args = ap.parse_args(argv)
     if args.role:
         args.sizes = [int(s) for s in args.sizes.split(",")]
@@ -409,29 +441,40 @@ def main(argv=None) -> int:
 
     import bagua_net
 
+    start = _results.started()
     streams = [int(s) for s in (args.streams or ("1,4" if args.quick else "1,2,4,8")).split(",")]
-    full = [64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
     print(f"bagua-net {bagua_net.__version__} ({bagua_net.library_path()}), host "
           f"{socket.gethostname()}, {os.cpu_count()} cores")
     if args.baseline_lib:
         sizes = _sizes(args.sizes) if args.sizes else ([64 * KiB, MiB, 16 * MiB] if args.quick
-                                                        else full)
-        compare(str(Path(args.baseline_lib).resolve()), streams, sizes,
-                (64 if args.quick else 512) * MiB, args.repeat or (4 if args.quick else 6))
+                                                        else FULL)
+        base = compare(str(Path(args.baseline_lib).resolve()), streams, sizes,
+                       (64 if args.quick else 512) * MiB, args.repeat or (4 if args.quick else 6))
+        _results.record_from_args(args, "benchmarks/micro/net.py", figures(baseline=base), argv,
+                                  start)
         return 0
     if shutil.which("iperf3") is None:
         print("iperf3 is missing (apt-get install -y iperf3): it is the reference")
         return 1
+    links: dict = {}
+    rc = _links(args, streams, links)
+    if links:
+        _results.record_from_args(args, "benchmarks/micro/net.py", figures(links), argv, start)
+    return rc
+
+
+def _links(args, streams, links: dict) -> int:
+    """Measure and report each link ``--link`` names; ``links`` gets each one measured."""
     if args.link in ("loopback", "both"):
         sizes = _sizes(args.sizes) if args.sizes else ([64 * KiB, MiB, 16 * MiB] if args.quick
-                                                        else full)
+                                                        else FULL)
         budget = (64 if args.quick else 512) * MiB
         plugin, iperf = measure(Loopback(), streams, sizes, budget, 1 if args.quick else 3,
                                 args.repeat or (2 if args.quick else 3))
         report(f"loopback, median of {args.repeat or (2 if args.quick else 3)} runs", streams,
                sizes, plugin, iperf, capped=False)
+        links["loopback"] = (sizes, plugin, iperf)
     if args.link in ("netns", "both"):
-        sys.path.append(str(HERE.parent))  # benchmarks/
         import _paths  # noqa: F401  (testbed on sys.path)
         try:
             from testbed import Testbed, flow_class, testbed_available
@@ -442,7 +485,7 @@ def main(argv=None) -> int:
         if not ok:
             print(f"\n== veth link skipped: {why}")
             return 0
-        sizes = _sizes(args.sizes) if args.sizes else ([MiB, 16 * MiB] if args.quick else full)
+        sizes = _sizes(args.sizes) if args.sizes else ([MiB, 16 * MiB] if args.quick else FULL)
         budget = (16 if args.quick else 48) * MiB
         with Testbed(n_hosts=2, bandwidth_mbit=None, per_flow_mbit=args.per_flow_mbit,
                      name="bnet") as tb:
@@ -450,6 +493,7 @@ def main(argv=None) -> int:
             plugin, iperf = measure(link, streams, sizes, budget, 2 if args.quick else 5,
                                     args.repeat or 1)
         report(link.name, streams, sizes, plugin, iperf, capped=True)
+        links[link.name] = (sizes, plugin, iperf)
     return 0
 
 
