@@ -237,6 +237,7 @@ def run(args):
             break            # the bug left the step (FaultTolerant re-raised it)
         log.write(json.dumps({"t0": t0, "t": time.time(), "step": ft.committed_steps,
                               "committed": step.committed, "world": ft.world_size,
+                              "rank": ft._pg.members[0],
                               "loss": float(loss), "indices": idx.tolist(),
                               "epoch": ft.data.sampler.epoch,
                               "heal_s": ft.heal_times[-1] if heals else None,

@@ -371,7 +371,7 @@ def _authenticate(secrets_by_rank):
         authenticate(group, secrets_by_rank[group.rank])
     except RuntimeError as err:
         return str(err)
-    return choose_source(group, 5, True)
+    return choose_source(group, 5, True)[:2]
 
 
 def test_a_group_member_without_the_secret_is_named_before_anything_is_exchanged():
@@ -426,5 +426,71 @@ def test_committed_batches_deal_every_sample_once_across_a_membership_change(n, 
         for b in group:
             b.commit()
     counts = collections.Counter(seen)
+    assert sorted(counts) == list(range(n)), sorted(set(range(n)) - set(counts))
+    assert set(counts.values()) == {1}, {k: v for k, v in counts.items() if v > 1}
+
+
+def _source_of(old_ranks):
+    import bagua_comm as bc
+    from bagua_algos.ft._source import choose_source
+
+    group = bc.get_default_group()
+    return choose_source(group, 5, True, old_ranks[group.rank])
+
+
+def test_the_source_is_a_member_of_the_old_group_before_a_joiner():
+    """Among replicas equally up to date, one that was in the group before is the source (its
+    parameters hold its own local steps; a joiner's are another's), lowest rank first."""
+    from bagua_comm.testing import run_ranks
+
+    assert run_ranks(_source_of, 2, args=([-1, 0],)) == [(1, True, [-1, 0])] * 2
+    assert run_ranks(_source_of, 2, args=([1, 0],)) == [(0, True, [1, 0])] * 2
+
+
+@pytest.mark.parametrize("n, batch, sync_every", [(96, 4, 4), (97, 3, 3), (50, 2, 5)])
+def test_local_steps_lost_with_their_replicas_are_dealt_again(n, batch, sync_every):
+    """LocalSGD over 3 replicas simulated in lockstep, a sync every ``sync_every`` committed
+    steps: one replica is lost 2 steps after a sync, and the rebuild keeps replica 0's
+    parameters.  The samples that replicas 1 and 2 trained on since the sync left with their
+    parameters: after ``give_back`` every sample of the epoch is in exactly one step whose
+    training survived (replica 1's steps since the sync do not count, nor the lost one's)."""
+    pytest.importorskip("bagua_data")
+    from bagua_algos.ft import CommittedBatches
+    from bagua_data import LoadBalancingDistributedSampler
+
+    data = torch.utils.data.TensorDataset(torch.arange(n))
+    complexity = [float(i % 7) for i in range(n)]
+
+    def replica(world, rank):
+        s = LoadBalancingDistributedSampler(data, complexity, num_replicas=world, rank=rank,
+                                            seed=3)
+        return CommittedBatches(data, s, batch)
+
+    kept, since_sync = [], [[], [], []]
+    group = [replica(3, r) for r in range(3)]
+    for step in range(1, sync_every + 3):
+        for r, b in enumerate(group):
+            since_sync[r] += b.next()[0].tolist()
+        for b in group:
+            b.commit()
+            if step % sync_every == 0:
+                b.mark_synced()
+        if step % sync_every == 0:
+            kept += [i for s in since_sync for i in s]
+            since_sync = [[], [], []]
+    kept += since_sync[0]              # replica 0's parameters go on
+    group = group[:2]                  # replica 2 is lost
+    for b in group:
+        b.give_back(0)
+    state = group[0].state_dict()
+    assert state == group[1].state_dict()
+    for r, b in enumerate(group):
+        b.rebind(2, r, state)
+    while group[0].rows < group[0]._table().shape[0]:
+        for b in group:
+            kept += b.next()[0].tolist()
+        for b in group:
+            b.commit()
+    counts = collections.Counter(kept)
     assert sorted(counts) == list(range(n)), sorted(set(range(n)) - set(counts))
     assert set(counts.values()) == {1}, {k: v for k, v in counts.items() if v > 1}

@@ -4,6 +4,13 @@ A step that is not committed (a peer died in it) gives its samples back; when th
 changes size, the samples of the epoch not yet consumed by a committed step, the dead
 rank's included, are dealt anew over the new ranks, each exactly once (bagua_data's
 ``state_dict``/``load_state_dict`` at another world size).
+
+An algorithm with local steps (LocalSGD, DiLoCo) keeps a replica's committed local steps in
+that replica's parameters only, until the next sync: a replica lost before it (or whose
+parameters a rebuild replaced by another's) loses them.  The samples of those steps are
+*owed*: :meth:`CommittedBatches.give_back` takes them back from the committed rows, and the
+first committed step after the rebuild deals them over the new ranks, in addition to its
+batch (``owed[rank::num_replicas]``), each exactly once.
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ class CommittedBatches:
         self._taken = None             # (epoch, rows) the uncommitted batch would reach
         self.indices: list[int] = []   # the last batch's dataset indices
         self._mask = None              # (table, its first-appearance mask)
+        self.synced = 0                # rows of the plan whose steps every replica holds
+        self.owed: list[int] = []      # samples given back (lost local steps), dealt next
+        self._syncs = [0]              # rows at each fragment's last sync (``synced``: min)
 
     def _table(self):
         return self.sampler.epoch_chunks()
@@ -58,7 +68,7 @@ class CommittedBatches:
         if rows >= table.shape[0]:                   # the epoch is over: the next one
             epoch, rows = epoch + 1, 0
             self.sampler.set_epoch(epoch)
-            self.rows = 0
+            self._restart_syncs(0)
             table = self._table()
         end = min(rows + self.batch_size, int(table.shape[0]))
         column = table[rows:end, self.sampler.rank]
@@ -66,24 +76,57 @@ class CommittedBatches:
         # a batch of repeats only (the table's last row, a batch of one row): kept, so that
         # every rank has a batch to step on
         self.indices = (fresh if fresh.numel() else column).tolist()
+        # samples owed from lost local steps: this step deals them over the ranks, once each
+        self.indices = self.owed[self.sampler.rank::self.sampler.num_replicas] + self.indices
         self._taken = end
         return self.collate_fn([self.dataset[i] for i in self.indices])
 
     def commit(self) -> None:
         if self._taken is not None:
             self.rows, self._taken = self._taken, None
+            self.owed = []
+
+    def _restart_syncs(self, rows: int) -> None:
+        self.rows = self.synced = rows
+        self._syncs = [rows] * len(self._syncs)
+
+    def mark_synced(self, fragments=(0,), count: int = 1) -> None:
+        """Fragments ``fragments`` of ``count`` (the whole model by default) hold the
+        committed rows so far in every replica's parameters (a sync, or a per-step
+        algorithm's committed step); ``synced`` is the oldest fragment's position."""
+        if len(self._syncs) != count:
+            self._syncs = [self.synced] * count
+        for p in fragments:
+            self._syncs[p] = self.rows
+        self.synced = min(self._syncs)
+
+    def give_back(self, kept: int) -> dict:
+        """Every replica goes on from rank ``kept``'s parameters (of the current plan): the
+        samples the other ranks trained on since the last sync (their committed local
+        steps, lost with their parameters) become owed, dealt again at the next committed
+        step after :meth:`rebind`.  Returns the new :meth:`state_dict`."""
+        table = self._table()
+        rows, fresh = table[self.synced:self.rows], self._fresh(table)[self.synced:self.rows]
+        for r in range(self.sampler.num_replicas):
+            if r != kept:
+                self.owed += rows[:, r][fresh[:, r]].tolist()
+        self._restart_syncs(self.rows)
+        return self.state_dict()
 
     def rollback(self) -> None:
         self._taken = None
 
     def state_dict(self) -> dict:
-        """The job's committed position (the same on every rank)."""
-        return self.sampler.state_dict(consumed=self.rows)
+        """The job's committed position (the same on every rank), with the samples owed."""
+        return {**self.sampler.state_dict(consumed=self.rows), "owed": list(self.owed)}
 
     def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        owed = state.pop("owed", [])
         self.sampler.load_state_dict(state)
         last_world, last_rows = state["history"][-1]
-        self.rows = last_rows if last_world == self.sampler.num_replicas else 0
+        self._restart_syncs(last_rows if last_world == self.sampler.num_replicas else 0)
+        self.owed = [int(i) for i in owed]
         self._taken = None
 
     def rebind(self, num_replicas: int, rank: int, state: dict | None = None) -> None:

@@ -31,7 +31,7 @@ from ._data import CommittedBatches
 from ._group import bagua_group, close_connections, configure_failure, reconfigurable_gloo, release
 from ._lighthouse import no_quorum_error
 from ._source import authenticate, choose_source, share
-from ._speculate import alive, communicates_in_step, drain, restore, snapshot
+from ._speculate import alive, communicates_in_step, drain, restore, snapshot, synced_fragments
 from ._transport import SecretRefused, job_secret, make_transport
 
 logger = logging.getLogger("bagua_algos.ft")
@@ -430,13 +430,18 @@ class FaultTolerant:
         self._pending = (own, data_state)
         self._group = bagua_group(self._pg)
         authenticate(self._group, self._secret)     # before anything else goes through it
-        src, agreed = choose_source(self._group, self.manager.current_step(),
-                                    self.manager.errored() is None)
+        survivor = healed is None and self._generation > 0 and self.data is not None
+        src, agreed, old_ranks = choose_source(
+            self._group, self.manager.current_step(), self.manager.errored() is None,
+            self.data.sampler.rank if survivor else -1)
+        if survivor:       # every replica goes on from the source's parameters
+            data_state = self.data.give_back(old_ranks[src])
         shared = share(self._group, src, self._module, {
             "optimizer": None if agreed else self.optimizer.state_dict(),
             "scheduler": None if agreed or self.scheduler is None
             else self.scheduler.state_dict(),
-            "data": None if agreed else data_state, "bagua": own}) if size > 1 else None
+            "data": None if agreed else data_state, "bagua": own,
+            "owed": None if data_state is None else data_state.get("owed")}) if size > 1 else None
         if shared is not None and rank != src:
             if not agreed:                 # this replica is behind: the source's state
                 self.optimizer.load_state_dict(shared["optimizer"])
@@ -458,6 +463,9 @@ class FaultTolerant:
         if own is not None:
             self.model.load_bagua_state_dict(own)
         if self.data is not None and data_state is not None:
+            # the samples owed as the source counts them (a joiner's state predates them)
+            if shared is not None and shared["owed"] is not None:
+                data_state = {**data_state, "owed": shared["owed"]}
             self.data.rebind(size, rank, data_state)
         self._pending = None
         self._generation = self._pg.generation
@@ -495,6 +503,7 @@ class FaultTolerant:
                 self.scheduler.step()
             if self.data is not None:
                 self.data.commit()
+                self.data.mark_synced(*synced_fragments(self.model))
         elif saved is not None:
             self._undo(saved)
         else:

@@ -52,19 +52,24 @@ def authenticate(group: bc.ProcessGroup, secret: bytes) -> None:
                            "Lighthouse): nothing was exchanged with them")
 
 
-def choose_source(group: bc.ProcessGroup, step: int, ok: bool) -> tuple[int, bool]:
-    """(the source's rank, whether every replica is up to date: at the source's step, ok).
+def choose_source(group: bc.ProcessGroup, step: int, ok: bool,
+                  old_rank: int = -1) -> tuple[int, bool, list[int]]:
+    """(the source's rank, whether every replica is up to date: at the source's step, ok,
+    every member's ``old_rank``).
 
     Collective over ``group``.  ``step``: this replica's committed step; ``ok``: no error in
-    this quorum (a failed heal, a failed group configure)."""
+    this quorum (a failed heal, a failed group configure); ``old_rank``: this replica's rank
+    in the group before (-1: it joins).  Among equals a member of the old group is preferred:
+    its parameters hold its own local steps (LocalSGD, DiLoCo), a joiner's another's."""
     if group.size == 1:
-        return 0, True
-    mine = torch.tensor([step, int(ok)], dtype=torch.int64)
-    every = torch.empty(2 * group.size, dtype=torch.int64)
+        return 0, True, [old_rank]
+    mine = torch.tensor([step, int(ok), old_rank], dtype=torch.int64)
+    every = torch.empty(3 * group.size, dtype=torch.int64)
     bc.allgather(mine, every, group=group)
-    keys = [(int(every[2 * r]), int(every[2 * r + 1]), -r) for r in range(group.size)]
+    rows = every.view(group.size, 3).tolist()
+    keys = [(s, k, o >= 0, -r) for r, (s, k, o) in enumerate(rows)]
     best = max(keys)
-    return -best[2], all(k[:2] == best[:2] for k in keys)
+    return -best[3], all(k[:2] == best[:2] for k in keys), [o for _, _, o in rows]
 
 
 def share(group: bc.ProcessGroup, src: int, module: torch.nn.Module, state: dict) -> dict:

@@ -54,3 +54,16 @@ def drain(impl) -> None:
     finish = getattr(impl, "finish", None)
     if callable(finish):
         finish()
+
+
+def synced_fragments(model) -> tuple[tuple[int, ...], int]:
+    """(the fragments a committed step synced, how many there are): a DiLoCo (LocalSGD)
+    fragment syncs at its offset in every ``sync_every`` steps; any other algorithm's
+    committed step is a sync of the whole model."""
+    impl = getattr(model, "impl", None)
+    if impl is None or not all(hasattr(impl, a) for a in ("H", "P", "steps")):
+        return (0,), 1
+    from ..algorithms.diloco import sync_offset
+
+    return tuple(p for p in range(impl.P)
+                 if impl.steps % impl.H == sync_offset(p, impl.P, impl.H)), impl.P
