@@ -152,10 +152,11 @@ def test_kill_survive_heal(tmp_path, lighthouse):
                 p.kill()
 
     la, lb, lb2 = _log(tmp_path, "a"), _log(tmp_path, "b"), _log(tmp_path, "b2")
-    # the relaunched replica healed at a step boundary (HOLD_AT, or a step or two later when
-    # the survivor's next quorum formed before it asked) and never ran a step on its own
+    # the relaunched replica healed at a step boundary (HOLD_AT, or some steps later when the
+    # survivor's next quorums formed before it asked: how many depends on the machine's load,
+    # 4 seen in a clean-clone CI run) before the end, and never ran a step on its own
     heal = lb2[0]["step"] - 1
-    assert HOLD_AT <= heal <= HOLD_AT + 3 and all(r["world"] == 2 for r in lb2)
+    assert HOLD_AT <= heal < STEPS and all(r["world"] == 2 for r in lb2)
     # the survivor: steps 1..3 at 2 replicas, exactly one step lost, alone, then 2 again
     failed = [r for r in la if not r["committed"]]
     assert len(failed) == 1 and failed[0]["step"] == KILL_AT, failed
