@@ -286,3 +286,44 @@ def test_the_diloco_rows_as_the_anchors_run_it_each_change_one_knob():
     assert len({short(r) for r in want}) == len(want)
     assert mode_note("diloco_u4_m05_stream", 2, sync_every=4) == (
         "H=4, 4-bit EF, mu 0.5, 2 frag. overlap 1")
+
+
+
+def _stop_run(tmp: Path, *extra: str) -> dict:
+    """DDP and DiLoCo (H=3; ``alone`` added by the job) with a budget of 20x DDP's time to its
+    deepest target and a T far below it: room to stop early."""
+    out = tmp / "e2e.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e.py"), *TINY[:-1],
+                        "--no-testbed", "--wall-seconds", "0.05", "--budget-factor", "20",
+                        "--algorithms", "ddp,diloco", "--sync-every", "3", *extra,
+                        "--json", str(out), "--plot", str(tmp / "e2e.png"),
+                        "--workdir", str(tmp / "work"), "--stall-seconds", "120"],
+                       capture_output=True, text=True, timeout=400, cwd=tmp)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(600)
+def test_a_row_stops_at_its_first_evaluation_that_reaches_the_deepest_target(tmp_path):
+    """Past T and its window, a row trains no further than the deepest target (DDP's loss
+    after its deepest step count): its curve ends at its first evaluation at or below it, and
+    up to there it is the curve of the same row trained for its whole budget
+    (``--full-budget``), so every figure read from it is the same."""
+    (tmp_path / "stop").mkdir()
+    (tmp_path / "full").mkdir()
+    stop = _stop_run(tmp_path / "stop")
+    full = _stop_run(tmp_path / "full", "--full-budget")
+    deepest = max(stop["targets"], key=lambda t: t["ddp_steps"])["loss"]
+    runs = {r["algorithm"]: r for r in stop["runs"]}
+    whole = {r["algorithm"]: r for r in full["runs"]}
+    assert runs["ddp"]["stopped_at_deepest"] is None   # DDP sets the targets: it runs them all
+    assert all(r["stopped_at_deepest"] is None for r in whole.values())
+    stopped = [a for a, r in runs.items() if r["status"] == "ok" and r["stopped_at_deepest"]]
+    assert set(stopped) == {"alone", "diloco"}, {a: r["eval_curve"][-1] for a, r in runs.items()}
+    for a in stopped:
+        curve, ref = runs[a]["eval_curve"], whole[a]["eval_curve"]
+        step, _t, loss = curve[-1]
+        assert step == runs[a]["stopped_at_deepest"] == runs[a]["steps_run"], (a, curve[-3:])
+        assert loss <= deepest, (a, loss, deepest)
+        assert len(ref) > len(curve) and whole[a]["steps_run"] > step   # it did save steps
+        assert [(s, v) for s, _, v in curve] == [(s, v) for s, _, v in ref[:len(curve)]], a

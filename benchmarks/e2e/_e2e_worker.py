@@ -10,7 +10,11 @@ the weights snapshotted every ``--eval-every`` steps up to 2N and every N/2 afte
 every step; the clock paused for the copy, about a millisecond) and their held-out loss evaluated after the run: the
 loss-against-time curve that time to DDP's loss is read from.  Evaluating after the run, not
 inside it, keeps AsyncModelAverage's background averaging from getting free time while the
-clock is paused.  Rank 0 writes ``<out>/<row>.json``; progress
+clock is paused.  A row other than DDP stops early, once past T and the timed window, at the
+first snapshot where its ranks' mean held-out loss (that snapshot evaluated on the spot, the
+clock paused) is at or below the deepest target, DDP's loss after its deepest step count
+(``--stop-loss``, else taken from the DDP row of the same job; ``--full-budget``: never): what
+it would have trained after that changes none of its figures.  Rank 0 writes ``<out>/<row>.json``; progress
 goes to ``<out>/progress``.  A row bagua_algos does not provide is written as unavailable
 (every rank sees the same registry, so nobody waits on a collective).
 """
@@ -190,6 +194,13 @@ def _snapshot_due(i: int, steps: int, every: int, depth_steps=()) -> bool:
     return i % (every if i <= 2 * steps else max(every, steps // 2)) == 0
 
 
+def _deepest_loss(recs: list[dict], deepest: int) -> float | None:
+    """DDP's held-out loss after ``deepest`` steps, the ranks' mean (the deepest target, as
+    the report reads it from the combined curve); None if DDP has no evaluation there."""
+    at = [loss for r in recs for step, _t, loss in r["evals"] if step == deepest]
+    return sum(at) / len(at) if len(at) == len(recs) else None
+
+
 def _snapshot(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -305,6 +316,9 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
     every = max(1, args.eval_every)
     i = 0
     target = None  # steps to run, agreed by every rank once the timed window has ended
+    stop_from = None
+    stop_probe = (make_model(args.size, seed=args.seed)
+                  if name != "ddp" and args.stop_loss is not None else None)
     while True:
         losses.append(step(*train[(args.warmup + i) % len(train)]))
         i += 1
@@ -342,9 +356,22 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
                 wall = max(args.wall_seconds, budget_s or 0.0)
                 rec["budget_s"] = wall
                 target = min(args.max_steps, max(i, math.ceil(wall / per_step)))
+                stop_from = max(i, math.ceil(args.wall_seconds / per_step))   # past T
                 if name == "ddp":      # DDP's losses at depth are the targets: reach them all
                     target = max(target, _deepest(args))
                 paused += time.perf_counter() - p
+        if (target is not None and i < target and stop_probe is not None
+                and i >= stop_from and _snapshot_due(i, args.steps, every, args.depth_steps)):
+            # Past T and the window: stop at the deepest target (every rank agrees: the
+            # ranks' mean loss of this snapshot, the same rule the curve is read with).
+            p = time.perf_counter()
+            stop_probe.load_state_dict(snapshots[-1][2])
+            mean = torch.tensor([_evaluate(stop_probe, evalset)], dtype=torch.float64)
+            dist.all_reduce(mean, group=harness)
+            if float(mean) / dist.get_world_size(harness) <= args.stop_loss:
+                target = i
+                rec["stopped_at_deepest"] = i
+            paused += time.perf_counter() - p
         if "eval_at_wall" not in rec and (elapsed >= args.wall_seconds or (
                 target is not None and i >= target)):
             # Held-out loss at wall time T (local, no collective: ranks may differ by a step).
@@ -418,6 +445,8 @@ def _combine(name: str, recs: list[dict], args, params: int, world: int) -> dict
         "loss_at_wall": sum(r["eval_at_wall"] for r in recs) / len(recs),
         "wall_reached": all(r["wall_reached"] for r in recs),
         "steps": args.steps, "steps_run": n,
+        # the step it stopped at, having reached the deepest target (None: its whole budget)
+        "stopped_at_deepest": recs[0].get("stopped_at_deepest"),
         "eval_curve": evals,
         "loss_curve": curve[:: max(1, n // 200)],
     }
@@ -452,6 +481,12 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-every", type=int, default=0,
                     help="LocalSGD/DiLoCo rows: sync_every (default: chosen for the workload "
                          "by _e2e_rows.sync_every_for from DDP's step time)")
+    ap.add_argument("--stop-loss", type=float, default=None,
+                    help="a row stops once its ranks' mean held-out loss is at or below this "
+                         "(past T; default: DDP's loss after its deepest step count, when DDP "
+                         "runs in this job)")
+    ap.add_argument("--full-budget", action="store_true",
+                    help="every row trains its whole budget (no stop at the deepest target)")
     ap.add_argument("--ifname", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -459,6 +494,8 @@ def main(argv=None) -> int:
     args.ddp_step_s, args.chosen_sync_every, args.sync_every_of = 0.0, None, {}
     args.rule_inputs = None   # (compute, budget) of the first sync row: its rule's inputs
     args.auto_choice = None
+    if args.full_budget:
+        args.stop_loss = None
     torch.set_num_threads(1)
     try:
         import bagua_comm as bc
@@ -494,6 +531,8 @@ def main(argv=None) -> int:
         dist.all_gather_object(recs, rec, group=harness)
         if name == "ddp":  # every later row trains at least this long
             budget_s = max(r["budget_s"] for r in recs)
+            if args.stop_loss is None and not args.full_budget:
+                args.stop_loss = _deepest_loss(recs, _deepest(args))
             args.ddp_step_s = max(r["steps_s"] for r in recs) / recs[0]["window_steps"]
         if rank == 0:
             result = _combine(name, recs, args, params, world)

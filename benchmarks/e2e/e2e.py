@@ -146,6 +146,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budget-factor", type=float,
                     help="every row trains for max(T, this x DDP's time for N steps); "
                          "default 1.5, --quick 1.25")
+    ap.add_argument("--full-budget", action="store_true",
+                    help="every row trains its whole budget; by default a row stops once "
+                         "past T at the first evaluation that reaches the deepest target")
     ap.add_argument("--no-testbed", action="store_true", help="plain loopback processes")
     ap.add_argument("--json", type=Path, help="write every number here")
     _results.add_options(ap)
@@ -214,7 +217,8 @@ class Launcher:
         self.launches = 0
 
     def start(self, algorithms: list[str], outdir: Path,
-              ddp_seconds: float = 0.0, ddp_budget_s: float = 0.0) -> list[subprocess.Popen]:
+              ddp_seconds: float = 0.0, ddp_budget_s: float = 0.0,
+              stop_loss: float | None = None) -> list[subprocess.Popen]:
         a = self.args
         worker = [WORKER, "--algorithms", ",".join(algorithms), "--size", a.size,
                   "--steps", a.steps, "--warmup", a.warmup, "--wall-seconds", a.wall_seconds,
@@ -225,6 +229,10 @@ class Launcher:
                   "--ddp-budget-seconds", ddp_budget_s,
                   "--depth-steps", ",".join(map(str, a.depth_steps)),
                   "--ifname", self.tb.data_ifname if self.tb else ""]
+        if a.full_budget:
+            worker.append("--full-budget")
+        elif stop_loss is not None:     # DDP ran in an earlier job: its deepest loss
+            worker += ["--stop-loss", repr(stop_loss)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.launches += 1
         procs = []
@@ -282,6 +290,13 @@ def _fraction(info: dict) -> float:
     return 0.8 * frac if info.get("phase", "train") == "train" else 0.8 + 0.2 * frac
 
 
+def _deepest_loss(ddp: dict, args) -> float | None:
+    """DDP's held-out loss after its deepest step count (the deepest target), from its row."""
+    deepest = max([args.steps, *args.depth_steps])
+    return next((loss for step, _t, loss in ddp.get("eval_curve") or [] if step == deepest),
+                None)
+
+
 def run_bandwidth(bw, args, launcher: Launcher, display, latency_ms=0) -> list[dict]:
     """Every algorithm in one cell (bandwidth, latency); a crashed job is relaunched for the
     rest.  Each row's line is shown as soon as it finishes."""
@@ -302,7 +317,8 @@ def run_bandwidth(bw, args, launcher: Launcher, display, latency_ms=0) -> list[d
         ddp = results.get("ddp", {})
         ok = ddp.get("status") == "ok"
         procs = launcher.start(remaining, outdir, (ddp.get("window_s") or 0.0) if ok else 0.0,
-                               (ddp.get("budget_s") or 0.0) if ok else 0.0)
+                               (ddp.get("budget_s") or 0.0) if ok else 0.0,
+                               _deepest_loss(ddp, args) if ok else None)
         last_change, last_seen = time.monotonic(), None
         stalled = False
         while any(p.poll() is None for p in procs):
