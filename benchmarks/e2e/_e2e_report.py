@@ -233,8 +233,8 @@ def _mode(r: dict) -> str:
             note = f"chose {c['algorithm']}, H={kw['sync_every']}{bits}"
         else:
             note = f"chose {c['algorithm']}, {c['bucket_size'] / 2**20:.0f} MiB buckets"
-        if r.get("setup_s"):     # its probe, counted in its time
-            note += f"; its {r['setup_s']:.1f}s probe counted in its time"
+        if c.get("probe_s") is not None:     # its probe, counted in its time
+            note += f"; its {c['probe_s']:.1f}s probe counted in its time"
         return note
 
     note = mode_note(r["algorithm"], r.get("procs_per_host") or 1,

@@ -95,12 +95,14 @@ def _build(name: str, model, args, harness):
         rec = bagua_algos.recommend(model, compute_s=args.row_compute_s,
                                     total_steps=planned_steps(args.row_budget_s,
                                                               args.row_compute_s))
+        probe_s = time.perf_counter() - t0
         wrapped = bagua_algos.with_bagua(model, [opt], rec.algorithm,
                                          bucket_size=rec.bucket_size)
         args.auto_choice = {"algorithm": wrapped.algorithm.name,
                             "kwargs": jsonable(rec.kwargs),
                             "bucket_size": wrapped.bucket_size,
-                            "setup_s": round(time.perf_counter() - t0, 3),
+                            "probe_s": round(probe_s, 3),   # recommend(): its measurement
+                            "setup_s": round(time.perf_counter() - t0, 3),   # and the wrap
                             "reason": rec.reason}
         return wrapped, opt
     missing = [n for n in ("Algorithm", "with_bagua") if not hasattr(bagua_algos, n)]
@@ -284,7 +286,9 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
             args.chosen_sync_every = sync_every_of_row(name, rule)
         args.sync_every_of[name] = args.chosen_sync_every
     args.row_close = None
+    t_build = time.perf_counter()
     wrapped, opt = _build(name, model, args, harness)
+    build_s = time.perf_counter() - t_build
 
     def step(x, y) -> float:
         opt.zero_grad(set_to_none=True)
@@ -302,10 +306,12 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
     dist.barrier(group=harness)
     tx0, acc0, ddp0 = _tx_bytes(args.ifname), _accounted_bytes(), counter.bytes
     rounds0 = _async_rounds(wrapped)
-    # Every cost in the row's time: the auto row's clock starts before its network probe
+    # Every cost in the row's time: every row's clock starts before its wrap (DDP's
+    # constructor, with_bagua's set-up: their broadcasts cost seconds on a slow link), so the
+    # auto row's starts before its network probe too
     # (recommend's measurement and with_bagua's setup, timed in _build), so its curve and
     # its time to each target include them; its throughput window does not (once per run).
-    setup_s = args.auto_choice["setup_s"] if name == "auto" and args.auto_choice else 0.0
+    setup_s = build_s
     # A sync row's window holds whole sync periods: it ends on a multiple of H (capped by
     # --max-steps: then window_syncs says how many it holds, maybe none)
     period = _sync_period(name, args)
@@ -427,7 +433,8 @@ def _combine(name: str, recs: list[dict], args, params: int, world: int) -> dict
         "async_rounds_in_window": recs[0]["rounds"] if name == "async" else None,
         # whole sync periods in the throughput window (None: the row talks every step)
         "window_syncs": recs[0]["window_syncs"],
-        # seconds before the first step counted in the row's time (auto: its probe)
+        # seconds before the first step counted in the row's time: the wrap (auto: and its
+        # probe)
         "setup_s": max(r["setup_s"] for r in recs),
         "sync_interval_ms": args.async_interval_ms if name == "async" else None,
         "powersgd_rank": args.powersgd_rank if name == "ddp_powersgd" else None,
