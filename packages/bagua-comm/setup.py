@@ -21,7 +21,9 @@ def extensions():
                   depends=["src/bagua_comm/_minmax_simd.h"],
                   extra_compile_args=KERNEL_FLAGS),
         Extension("bagua_comm._launch", ["src/bagua_comm/_launch.pyx"]),
-    ], language_level=3, compiler_directives={"boundscheck": False, "wraparound": False})
+        Extension("bagua_comm._worker", ["src/bagua_comm/_worker.pyx"],
+                  depends=["src/bagua_comm/_minmax.pxd"]),
+    ], language_level=3, include_path=["src"], compiler_directives={"boundscheck": False, "wraparound": False})
 
 
 if __name__ == "__main__":     # also how setuptools.build_meta runs this file

@@ -5,7 +5,7 @@ binding to libnccl, loaded at first use (nothing CUDA-related is imported here).
 """
 
 from . import bucket, compression, traffic
-from ._compressed import compressed_allreduce
+from ._compressed import compressed_allreduce, compressed_allreduce_launcher
 from ._nccl import NcclError
 from ._nccl_loader import nccl_available, nccl_version
 from ._version import __version__
@@ -56,7 +56,7 @@ __all__ = [
     "Bucket", "NcclError", "P2POp", "ProcessGroup", "ReduceOp", "Work", "__version__",
     "allgather", "allgather_inplace", "allreduce", "allreduce_inplace", "allreduce_launcher", "alltoall",
     "alltoall_inplace", "alltoall_v", "barrier", "batch_isend_irecv", "broadcast", "broadcast_object", "bucket",
-    "compressed_allreduce", "compression", "destroy_process_group", "gather", "gather_inplace",
+    "compressed_allreduce", "compressed_allreduce_launcher", "compression", "destroy_process_group", "gather", "gather_inplace",
     "get_backend", "get_default_group", "get_local_rank", "get_local_size", "get_node_rank",
     "get_rank", "get_world_size", "init_process_group", "is_initialized", "nccl_available",
     "nccl_version", "new_group", "recv", "reduce", "reduce_inplace", "reduce_scatter",

@@ -20,13 +20,14 @@ call after call.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from . import _validate as V
 from . import traffic
-from .compression import Compressor, MinMaxUInt8
+from .compression import Compressor, MinMaxUInt8, record_bytes
 from .ops import ReduceOp, as_op, reduce_rows
 from .work import finish
 
@@ -50,6 +51,56 @@ def compressed_allreduce(send, recv, op=ReduceOp.AVG, compressor=None, *, key="a
 
     The tensors must not be touched until the call (or its work handle) completes.
     """
+    g, send, recv, op, compressor = _checked(send, recv, op, compressor, group)
+    if send.numel() == 0:
+        return finish([], async_op=async_op)
+    k, seg, sent = _sizes(compressor, send.numel(), g.size)
+    traffic.record("compressed_allreduce", sent)
+    be = g.backend_for(send)
+    return be.run(lambda: _run(be, send, recv, op, compressor, k, seg, key), (send, recv),
+                  async_op)
+
+
+def compressed_allreduce_launcher(send, recv, op=ReduceOp.AVG, compressor=None, *,
+                                  key="allreduce", group=None):
+    """A callable that starts ``compressed_allreduce(send, recv, op, compressor, key=key,
+    group=group, async_op=True)`` each time it is called (no argument) and returns its handle
+    (``wait()``, ``is_completed()``), for buffers reduced again and again (a gradient
+    bucket): the arguments are checked, the sizes worked out and the buffers made once,
+    here.  For ``MinMaxUInt8`` without error feedback on gloo (CPU tensors) a call costs no
+    Python: the compiled collective is handed to the group's worker thread, in call order
+    with every other multi-phase collective of the group.  The results are those of
+    :func:`compressed_allreduce`, bit for bit."""
+    g, send, recv, op, compressor = _checked(send, recv, op, compressor, group)
+    fast = _compiled_launcher(g, send, recv, op, compressor, send.numel())
+    if fast is not None:
+        return fast
+    return functools.partial(compressed_allreduce, send, recv, op, compressor, key=key,
+                             group=g, async_op=True)
+
+
+def _compiled_launcher(g, send, recv, op, compressor, live):
+    """The compiled launcher of checked arguments (``_checked``), or None where the call
+    takes the general path.  It zeroes ``send[live:]`` before each call (a bucket's
+    padding, which the previous call's result overwrote)."""
+    if not send.numel() or not _compiled(g, compressor, send):
+        return None
+    k, seg, sent = _sizes(compressor, send.numel(), g.size)
+    be = g.backend_for(send)
+    return be.compressed_launcher(
+        lambda: _job(be, send, recv, op, compressor, k, seg, live), sent)
+
+
+def _inplace_launcher(tensor, op, compressor, group, live):
+    """The compiled launcher of ``compressed_allreduce(tensor, tensor, op, compressor,
+    group=group)`` zeroing ``tensor[live:]`` before each call (bagua-algos' buckets, padded to
+    the compressor's alignment), or None where it would take the general path."""
+    g, send, recv, op, compressor = _checked(tensor, tensor, op, compressor, group)
+    return _compiled_launcher(g, send, recv, op, compressor, live)
+
+
+def _checked(send, recv, op, compressor, group):
+    """The arguments checked (ValueError before anything is sent), the tensors detached."""
     g = V.group(group)
     V.pair(send, recv, g)
     if send.dtype not in _FLOATS:
@@ -67,20 +118,21 @@ def compressed_allreduce(send, recv, op=ReduceOp.AVG, compressor=None, *, key="a
     if not isinstance(chunks, int) or chunks % g.size:
         raise ValueError(f"compressor.chunks ({chunks!r}) must be a multiple of the group size "
                          f"({g.size})")
-    if send.numel() == 0:
-        return finish([], async_op=async_op)
-    k = chunks // g.size
-    seg = padded_numel(compressor, send.numel(), g.size) // g.size  # per rank, padded
-    sent = (compressor.payload_numel(seg * g.size, chunks=chunks) * (g.size - 1) // g.size
-            + compressor.payload_numel(seg, chunks=k) * (g.size - 1))
-    traffic.record("compressed_allreduce", sent)
-    be = g.backend_for(send)
     if send.requires_grad:
         send = send.detach()
     if recv.requires_grad:
         recv = recv.detach()
-    return be.run(lambda: _run(be, send, recv, op, compressor, k, seg, key), (send, recv),
-                  async_op)
+    return g, send, recv, op, compressor
+
+
+def _sizes(compressor, numel, n):
+    """(chunks per rank, padded elements per rank, bytes this rank sends)."""
+    chunks = compressor.chunks
+    k = chunks // n
+    seg = padded_numel(compressor, numel, n) // n
+    sent = (compressor.payload_numel(seg * n, chunks=chunks) * (n - 1) // n
+            + compressor.payload_numel(seg, chunks=k) * (n - 1))
+    return k, seg, sent
 
 
 def padded_numel(compressor, numel: int, group_size: int) -> int:
@@ -126,7 +178,41 @@ def _check_payload(compressor, payload, size, numel, chunks) -> None:
                          f"a uint8 tensor of {size}: compress() and payload_numel() must agree")
 
 
+def _compiled(g, compressor, send) -> bool:
+    """Whether the compiled collective (``_worker.CompressedJob``) runs this call: plain
+    MinMaxUInt8 (no subclass, no error feedback) on gloo CPU tensors."""
+    return (type(compressor) is MinMaxUInt8 and compressor._ef is None
+            and send.device.type == "cpu" and g.backend_for(send).name == "gloo")
+
+
+def _job(be, send, recv, op, compressor, k, seg, live=None):
+    """The :class:`~bagua_comm._worker.CompressedJob` of a call: its buffers from the
+    group's scratch pool (on the worker thread, as every use of the pool)."""
+    from ._worker import CompressedJob
+
+    n, dev, dtype = be.group.size, send.device, send.dtype
+    padded, numel = seg * n, send.numel()
+    rec = record_bytes(seg // k)
+    pad = be.scratch("padded", padded, dtype, dev) if padded != numel else None
+    payload, payload_rows = be.scratch_rows("payload", n * k * rec, torch.uint8, dev, n)
+    received, received_rows = be.scratch_rows("received", n * k * rec, torch.uint8, dev, n)
+    mine = be.scratch("mine", seg, torch.float32, dev)
+    half = dtype is not torch.float32
+    own_in = be.scratch("own_in", seg, dtype, dev) if half else None
+    own = be.scratch("own", k * rec, torch.uint8, dev)
+    gathered, gathered_rows = be.scratch_rows("gathered", n * k * rec, torch.uint8, dev, n)
+    dec = be.scratch("decoded", padded, torch.float32, dev) if half else None
+    return CompressedJob(send.view(-1), recv.view(-1), pad, payload, received, mine, own_in,
+                         own, gathered, dec, list(payload_rows), list(received_rows),
+                         list(gathered_rows), be.aux, be.group.rank, k, rec,
+                         *MinMaxUInt8._kernel_args(dtype), _OP_CODES[op],
+                         numel if live is None else live)
+
+
 def _run(be, send, recv, op, compressor, k, seg, key):
+    if _compiled(be.group, compressor, send):
+        _job(be, send, recv, op, compressor, k, seg).run()
+        return
     n = be.group.size
     chunks = n * k
     padded = seg * n

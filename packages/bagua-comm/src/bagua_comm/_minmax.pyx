@@ -426,6 +426,17 @@ def compress_records_at(Py_ssize_t src, Py_ssize_t n, int kind, const float[::1]
                               record)
 
 
+cdef void compress_any(const void* src, Py_ssize_t m, int kind, const float* tab,
+                       Py_ssize_t chunks, uint8_t* payload, Py_ssize_t record) noexcept nogil:
+    """``_compress_records`` of ``chunks`` chunks of ``m`` elements at ``src`` (of ``kind``):
+    the entry point of ``_minmax.pxd`` (the caller checked what ``compress_records_at``
+    checks)."""
+    if kind == KIND_F32:
+        _compress_records(<const float*>src, m, kind, tab, chunks, payload, record)
+    else:
+        _compress_records(<const uint16_t*>src, m, kind, tab, chunks, payload, record)
+
+
 cdef void _compress_records(const src_t* p, Py_ssize_t m, int kind, const float* tab,
                             Py_ssize_t chunks, uint8_t* payload,
                             Py_ssize_t record) noexcept nogil:
@@ -474,6 +485,14 @@ def decode_reduce_at(Py_ssize_t payload, Py_ssize_t nbytes, Py_ssize_t record,
         raise ValueError("decode_reduce: payload, rows and out disagree")
     with nogil:
         _decode_reduce(<const uint8_t*>payload, record, k, rows, kind, tab, <float*>out, n, op)
+
+
+cdef void decode_reduce_any(const uint8_t* payload, Py_ssize_t record, Py_ssize_t k,
+                            Py_ssize_t rows, int kind, const float* tab, float* out,
+                            Py_ssize_t n, int op) noexcept nogil:
+    """``_decode_reduce``: the entry point of ``_minmax.pxd`` (the caller checked what
+    ``decode_reduce_at`` checks)."""
+    _decode_reduce(payload, record, k, rows, kind, tab, out, n, op)
 
 
 cdef void _decode_reduce(const uint8_t* payload, Py_ssize_t record, Py_ssize_t k,

@@ -5,15 +5,15 @@ torch's own wrappers do after their argument checks, which our primitives have a
 so a call costs little more than gloo itself.  Group ranks are the torch group's ranks: a
 group's ranks are kept sorted, as torch keeps them.
 
-Each group has a second gloo group of the same ranks (``aux``) and one worker thread:
-multi-phase collectives (:func:`bagua_comm.compressed_allreduce`) run there, FIFO, over
-``aux``, so they never interleave with the primitives the caller issues meanwhile.
+Each group has a second gloo group of the same ranks (``aux``) and one worker thread
+(``_worker.Worker``, its loop compiled): multi-phase collectives
+(:func:`bagua_comm.compressed_allreduce` and its launchers) run there, FIFO, over ``aux``, so
+they never interleave with the primitives the caller issues meanwhile.
 """
 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ class GlooBackend(Backend):
         self.aux = aux_torch_group
         self.size = group.size
         self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
+        self._worker = None
         self._reduce_opts = {op: _opts(dist.AllreduceOptions, reduceOp=to_torch(op))
                              for op in ReduceOp}
         self._rs_opts = {op: _opts(dist.ReduceScatterOptions, reduceOp=to_torch(op))
@@ -194,15 +194,30 @@ class GlooBackend(Backend):
         return finish(works, async_op=async_op)
 
     # -- multi-phase collectives ----------------------------------------------------------------
+    def worker(self):
+        """The group's worker thread (``_worker.Worker``): made at its first use."""
+        with self._lock:
+            if self._worker is None:
+                from .._worker import Worker
+
+                self._worker = Worker(f"bagua-comm-{self.group.ranks[:4]}")
+            return self._worker
+
     def run(self, fn, tensors, async_op):
         """Run ``fn`` on the group's single worker thread (FIFO: the same order on every
         rank, which keeps multi-phase collectives matched across ranks)."""
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix=f"bagua-comm-{self.group.ranks[:4]}")
-            fut = self._executor.submit(fn)
-        return finish([fut], async_op=async_op)
+        return finish([self.worker().submit(fn)], async_op=async_op)
+
+    def compressed_launcher(self, build, nbytes):
+        """A :class:`bagua_comm._worker.CompressedLauncher` of the job ``build()`` makes (on
+        the worker thread, where the scratch pool is used): each call hands the job to the
+        worker, in order with every :meth:`run`."""
+        from .._worker import CompressedLauncher
+
+        worker = self.worker()
+        done = worker.submit(build)
+        done.wait()
+        return CompressedLauncher(worker, done.value, nbytes)
 
     def exchange(self, recv_rows, send_rows):
         """Every receive is posted before the first send, so each rank's "ready to receive"
@@ -220,9 +235,9 @@ class GlooBackend(Backend):
 
     def close(self, abort: bool = False) -> None:
         with self._lock:
-            ex, self._executor = self._executor, None
-        if ex is not None:
-            ex.shutdown(wait=not abort)
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.close(wait=not abort)
         # Let go of torch's process groups now: held on (the group and its backends form a
         # reference cycle) they would be destroyed at interpreter exit, where gloo's
         # destructor aborts the process ("terminate called without an active exception").

@@ -75,6 +75,12 @@ class MinMaxUInt8(_WithErrorFeedback):
         """
         return self._decompress_reduce(payload, out, chunks=chunks, dtype=dtype)
 
+    @staticmethod
+    def _kernel_args(dtype: torch.dtype) -> tuple:
+        """(kind, float16 table) of the CPU kernels for inputs of ``dtype``: what
+        ``bagua_comm._worker``'s compiled collective passes them."""
+        return KINDS[dtype], lut(dtype)
+
     def _decompress_reduce(self, payload: torch.Tensor, out: torch.Tensor, *,
                            chunks: int | None = None, dtype: torch.dtype | None = None,
                            rows: int = 1, op: int = 0) -> torch.Tensor:

@@ -1,0 +1,281 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""A gloo group's worker thread, and the compressed allreduce it runs without Python.
+
+:class:`Worker` runs jobs one after another, in submission order (the same on every rank:
+multi-phase collectives stay matched across ranks), on one thread whose loop is compiled: a
+job is a Python callable (``GlooBackend.run``) or a :class:`CompressedJob`, whose ``run`` calls
+torch's process-group methods and the MinMaxUInt8 kernels (``_minmax.pxd``) directly.  Jobs are
+handed over through a ``collections.deque`` and a ``_thread`` lock used as the worker's
+wake-up signal, and complete a :class:`Done` handle: all C, so a compiled job costs its
+submitter and the worker no Python frame.  Every decision that needs Python (argument checks,
+sizes, buffers, the torch option objects) was made when the job was built
+(``bagua_comm._compressed._job``).
+"""
+
+from collections import deque
+from _thread import allocate_lock
+import threading
+import weakref
+
+from libc.stdint cimport uint8_t
+from libc.string cimport memcpy, memset
+
+from bagua_comm cimport _minmax
+from bagua_comm import traffic
+
+cdef Py_ssize_t _handed = 0            # jobs handed to a worker thread, ever (benchmarks)
+_workers = weakref.WeakSet()           # live workers (benchmarks: a no-op job reaches each)
+
+
+def handed_over():
+    """How many jobs have been handed to a worker thread in this process."""
+    return _handed
+
+
+def workers():
+    """The live workers (their threads started or not)."""
+    return list(_workers)
+
+
+cdef class Done:
+    """A job's completion: ``wait()`` blocks until it ran and raises its exception;
+    ``is_completed()``; ``value`` is a callable job's return value."""
+
+    cdef object _lock               # held until the job completes
+    cdef bint _done
+    cdef object _error
+    cdef public object value
+
+    def wait(self):
+        if not self._done:
+            self._lock.acquire()
+            self._lock.release()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self):
+        return self._done
+
+    cdef void _finish(self, error) except *:
+        self._error = error
+        self._done = True
+        self._lock.release()
+
+
+cdef class Worker:
+    """One thread running jobs in submission order (started at the first job)."""
+
+    cdef object jobs                # deque of (Done, job); None stops the thread
+    cdef object wake                # locked while the worker sleeps on an empty queue
+    cdef bint sleeping
+    cdef public bint closed
+    cdef object thread
+    cdef str name
+    cdef object __weakref__
+
+    def __init__(self, str name):
+        self.jobs = deque()
+        self.wake = allocate_lock()
+        self.wake.acquire()
+        self.sleeping = False
+        self.closed = False
+        self.thread = None
+        self.name = name
+        _workers.add(self)
+
+    cpdef Done submit(self, job):
+        """Run ``job`` (a :class:`CompressedJob` or a no-argument callable) after those
+        submitted before."""
+        global _handed
+        if self.closed:
+            raise RuntimeError("bagua_comm: this group's worker was closed (the group was "
+                               "destroyed)")
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self.thread.start()
+        cdef Done done = Done.__new__(Done)
+        done._lock = allocate_lock()
+        done._lock.acquire()
+        # Under the GIL, with nothing between that can release it: the worker either sees
+        # the job before it sleeps or is asleep and woken here.
+        self.jobs.append((done, job))
+        _handed += 1
+        if self.sleeping:
+            self.sleeping = False
+            self.wake.release()
+        return done
+
+    def _loop(self):
+        cdef Done done
+        while True:
+            if not self.jobs:
+                self.sleeping = True
+                self.wake.acquire()
+                continue
+            item = self.jobs.popleft()
+            if item is None:
+                return
+            done, job = item
+            item = None
+            error = None
+            try:
+                if type(job) is CompressedJob:
+                    (<CompressedJob>job).run()
+                else:
+                    done.value = job()
+            except BaseException as err:        # handed to whoever waits
+                error = err
+            job = None
+            done._finish(error)
+            done = None
+            error = None
+
+    def close(self, bint wait=True):
+        """Stop the thread after the jobs submitted so far (waiting for them with
+        ``wait``); later submissions raise."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.thread is None:
+            return
+        self.jobs.append(None)
+        if self.sleeping:
+            self.sleeping = False
+            self.wake.release()
+        if wait and self.thread is not threading.current_thread():
+            self.thread.join()
+
+
+cdef class CompressedJob:
+    """``compressed_allreduce(send, recv, op, MinMaxUInt8(n * k))`` on gloo CPU tensors, its four
+    phases in one compiled call (see ``bagua_comm._compressed``): compress the (padded) input
+    into ``n * k`` records, exchange rank ``j``'s ``k`` with it, decode-and-reduce the ``n``
+    received rows into this rank's float32 segment, re-compress it, exchange it with every
+    rank, decode all.  Built by ``bagua_comm._compressed._job``: the buffers, sizes and torch
+    objects below are checked and made there, once."""
+
+    cdef object send, recv              # the caller's flat tensors
+    cdef object padded                  # send's dtype, ``n * seg`` elements, or None
+    cdef object payload, received, mine, own_in, own, gathered, dec, dec_head
+    cdef list recv1, send1, recv3, send3    # per peer: [row] for torch's recv / send
+    cdef list peers
+    cdef object a_recv, a_send          # the auxiliary torch group's recv / send
+    cdef object lut                     # keeps the float16 table alive (``tab``)
+    cdef const float* tab
+    cdef Py_ssize_t n, me, numel, live, seg, k, rec, esize
+    cdef int kind, op
+
+    def __init__(self, send, recv, padded, payload, received, mine, own_in, own, gathered,
+                 dec, list payload_rows, list received_rows, list gathered_rows, aux,
+                 Py_ssize_t me, Py_ssize_t k, Py_ssize_t rec, int kind, lut, int op,
+                 Py_ssize_t live):
+        cdef Py_ssize_t j
+        cdef const float[::1] table = lut
+        self.send, self.recv, self.padded = send, recv, padded
+        self.payload, self.received, self.mine = payload, received, mine
+        self.own_in, self.own, self.gathered, self.dec = own_in, own, gathered, dec
+        self.n = len(received_rows)
+        self.me, self.k, self.rec, self.kind, self.op = me, k, rec, kind, op
+        self.numel = send.numel()
+        self.live = live          # elements of send before its zero padding
+        self.seg = mine.numel()
+        self.esize = send.element_size()
+        self.peers = [j for j in range(self.n) if j != me]
+        self.recv1 = [[received_rows[j]] for j in self.peers]
+        self.send1 = [[payload_rows[j]] for j in self.peers]
+        self.recv3 = [[gathered_rows[j]] for j in self.peers]
+        self.send3 = [[own] for _ in self.peers]
+        self.a_recv, self.a_send = aux.recv, aux.send
+        self.lut = lut
+        self.tab = &table[0] if table.shape[0] else NULL
+        self.dec_head = dec[:self.numel] if dec is not None else None
+
+    cdef void _exchange(self, list recvs, list sends, const uint8_t* mine_src,
+                        uint8_t* mine_dst, Py_ssize_t row) except *:
+        """Every receive posted before the first send (``GlooBackend.exchange``), this rank's
+        own row copied, then all waited."""
+        cdef Py_ssize_t i
+        works = [self.a_recv(recvs[i], self.peers[i], 0) for i in range(len(self.peers))]
+        for i in range(len(self.peers)):
+            works.append(self.a_send(sends[i], self.peers[i], 0))
+        with nogil:
+            memcpy(mine_dst, mine_src, row)
+        for w in works:
+            w.wait()
+
+    cpdef run(self):
+        cdef Py_ssize_t n = self.n, seg = self.seg, k = self.k, rec = self.rec
+        cdef Py_ssize_t chunks = n * k, padded = n * seg
+        cdef int kind = self.kind, op = self.op
+        cdef const float* tab = self.tab
+        cdef char* x = <char*><Py_ssize_t>self.send.data_ptr()
+        cdef char* pad
+        cdef uint8_t* payload = <uint8_t*><Py_ssize_t>self.payload.data_ptr()
+        cdef uint8_t* received = <uint8_t*><Py_ssize_t>self.received.data_ptr()
+        cdef float* mine = <float*><Py_ssize_t>self.mine.data_ptr()
+        cdef uint8_t* own = <uint8_t*><Py_ssize_t>self.own.data_ptr()
+        cdef uint8_t* gathered = <uint8_t*><Py_ssize_t>self.gathered.data_ptr()
+        cdef const void* own_src = mine
+        cdef float* out
+        cdef Py_ssize_t row = k * rec
+        if self.padded is not None:         # zero-padded to the compressor's alignment
+            pad = <char*><Py_ssize_t>self.padded.data_ptr()
+            with nogil:
+                memcpy(pad, x, self.live * self.esize)
+                memset(pad + self.live * self.esize, 0, (padded - self.live) * self.esize)
+            x = pad
+        elif self.live < self.numel:        # send's own padding (a bucket's), zeroed
+            with nogil:
+                memset(x + self.live * self.esize, 0, (self.numel - self.live) * self.esize)
+        # 1. my records for rank j go to rank j
+        with nogil:
+            _minmax.compress_any(x, padded // chunks, kind, tab, chunks, payload, rec)
+        self._exchange(self.recv1, self.send1, payload + self.me * row,
+                       received + self.me * row, row)
+        # 2. the n rows of my segment decoded and reduced in float32
+        with nogil:
+            _minmax.decode_reduce_any(received, rec, k, n, kind, tab, mine, seg, op)
+        # 3. my segment re-compressed (in the input's type) and gathered by every rank
+        if self.own_in is not None:
+            self.own_in.copy_(self.mine)
+            own_src = <const void*><Py_ssize_t>self.own_in.data_ptr()
+        with nogil:
+            _minmax.compress_any(own_src, seg // k, kind, tab, k, own, rec)
+        self._exchange(self.recv3, self.send3, own, gathered + self.me * row, row)
+        # 4. everything decoded (16-bit: into float32, then rounded by torch's copy, as
+        # ``MinMaxUInt8.decompress`` does; float32 with padding: into the padded buffer,
+        # which phase 1 was the last to read)
+        if self.dec is not None:
+            out = <float*><Py_ssize_t>self.dec.data_ptr()
+        elif self.padded is not None:
+            out = <float*><Py_ssize_t>self.padded.data_ptr()
+        else:
+            out = <float*><Py_ssize_t>self.recv.data_ptr()
+        with nogil:
+            _minmax.decode_reduce_any(gathered, rec, chunks, 1, kind, tab, out, padded, 0)
+        if self.dec is not None:
+            self.recv.copy_(self.dec_head)
+        elif self.padded is not None:
+            x = <char*><Py_ssize_t>self.recv.data_ptr()
+            with nogil:
+                memcpy(x, out, self.numel * 4)
+
+
+cdef class CompressedLauncher:
+    """Call it to start the compressed allreduce its job was built for: the traffic is
+    recorded and the job handed to the group's worker; returns its :class:`Done`."""
+
+    cdef Worker worker
+    cdef CompressedJob job
+    cdef object nbytes
+
+    def __init__(self, Worker worker, CompressedJob job, nbytes):
+        self.worker = worker
+        self.job = job
+        self.nbytes = int(nbytes)
+
+    def __call__(self):
+        with traffic._lock:
+            traffic._bytes["compressed_allreduce"] += self.nbytes
+        return self.worker.submit(self.job)
