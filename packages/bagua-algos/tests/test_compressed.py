@@ -110,3 +110,56 @@ def test_qadam_optimizer_alone_is_adam_during_warmup_then_freezes_the_second_mom
             frozen = [opt.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
     assert all(torch.equal(opt.state[p]["exp_avg_sq"], v)
                for p, v in zip(model.parameters(), frozen))
+
+
+def _compiled_or_not(name, compiled):
+    """Parameters after 8 steps of ByteGrad (SGD) or QAdam (2 warmup steps): ``compiled``,
+    as built (bagua_comm's compiled compressed launchers, QAdam's compiled fold); else every
+    bucket through ``bucket_ready_hook`` and compressed_allreduce's general Python path (a
+    MinMaxUInt8 subclass takes it): the code path before issue #46's launchers."""
+    from bagua_algos.algorithm import AlgorithmImpl
+    from bagua_algos.algorithms.bytegrad import ByteGradImpl
+    from bagua_algos.algorithms.q_adam import QAdamImpl
+    from bagua_comm.compression import MinMaxUInt8
+
+    class General(MinMaxUInt8):
+        pass
+
+    rank, world = bc.get_rank(), bc.get_world_size()
+    compressor = (MinMaxUInt8 if compiled else General)(world)
+    model = make_model(seed=1)
+    if name == "bytegrad":
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+        algo = ByteGrad(hierarchical=False, compressor=compressor)
+    else:
+        opt = QAdamOptimizer(model.parameters(), lr=1e-2, warmup_steps=2, weight_decay=0.01)
+        algo = QAdam(opt, hierarchical=False, compressor=compressor)
+    impl = ByteGradImpl if name == "bytegrad" else QAdamImpl
+    saved = impl.bucket_launchers
+    if not compiled:
+        impl.bucket_launchers = AlgorithmImpl.bucket_launchers
+    try:
+        model = with_bagua(model, [opt], algo, bucket_size=300)    # padded buckets
+        for step in range(8):
+            opt.zero_grad()
+            loss_fn(model, *batch(step, rank)).backward()
+            opt.step()
+        eng = model.engine
+        kinds = {type(s).__name__ for _, s in eng.impl.bucket_launchers(eng.ctx, eng.buckets)}
+    finally:
+        impl.bucket_launchers = saved
+    return params(model), kinds
+
+
+def _both_paths():
+    return {(name, compiled): _compiled_or_not(name, compiled)
+            for name in ("bytegrad", "qadam") for compiled in (True, False)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_compiled_launchers_train_bit_for_bit_as_the_python_path(world):
+    for r in run_ranks(_both_paths, world, timeout=240):
+        for name in ("bytegrad", "qadam"):
+            (a, kinds), (b, _) = r[(name, True)], r[(name, False)]
+            assert kinds == {"CompressedLauncher" if name == "bytegrad" else "FoldThenStart"}
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), name

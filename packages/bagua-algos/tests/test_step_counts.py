@@ -1,12 +1,14 @@
-"""Host work of one GradientAllReduce step against torch DDP's, by exact counts (issue #46):
-Python function calls over one training step (zero_grad, forward, backward, optimizer
-step), the wrapped step minus the same step of the bare model, measured in the same process
+"""Host work of one GradientAllReduce, ByteGrad and QAdam step against torch DDP's, by exact
+counts (issue #46): Python function calls over one training step (zero_grad, forward,
+backward, optimizer step) on every thread (bagua's worker threads included), the wrapped step
+minus the same step of the bare model with the same optimizer, measured in the same process
 for DDP (the reference) and with_bagua, 2 gloo ranks, the same bucket size.  Counts are
 deterministic: this is not a timing test."""
 
 import itertools
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -36,29 +38,44 @@ def _step(model, opt, x, y):
     opt.step()
 
 
+_COUNT = [None]       # a list while a step is counted
+
+
+def _prof(_frame, event, _arg):
+    if event == "call" and _COUNT[0] is not None:
+        _COUNT[0].append(1)
+
+
+def _thread_entry(frame, event, arg):
+    sys.setprofile(_prof)
+    _prof(frame, event, arg)
+
+
+def _install():
+    """Every thread started from now on is counted too (bagua's worker threads start lazily,
+    in the first steps): call first thing in a rank."""
+    threading.setprofile(_thread_entry)
+
+
 def _calls(model, opt, x, y) -> int:
     """Python calls of one step (after 4 warm-up steps), on every thread."""
     for _ in range(4):
         _step(model, opt, x, y)
     bc.barrier()
-    n = [0]
-
-    def prof(_frame, event, _arg):
-        if event == "call":
-            n[0] += 1
-
-    threading.setprofile(prof)
-    sys.setprofile(prof)
+    _COUNT[0] = []
+    sys.setprofile(_prof)
     try:
         _step(model, opt, x, y)
+        time.sleep(0.05)      # worker threads finish what follows the step's last wait
     finally:
         sys.setprofile(None)
-        threading.setprofile(None)
+        n, _COUNT[0] = len(_COUNT[0]), None
     bc.barrier()
-    return n[0]
+    return n
 
 
 def _rank(dims):
+    _install()
     g = torch.Generator().manual_seed(bc.get_rank())
     x = torch.randn(8, dims[0], generator=g)
     y = torch.randint(0, dims[-1], (8,), generator=g)
@@ -87,3 +104,48 @@ def test_gradient_allreduce_python_calls_within_twice_ddps(model):
     assert buckets == ddp_buckets          # the same layout: per-bucket costs compare
     assert ddp_calls > 0
     assert bagua_calls <= 2 * ddp_calls, (model, bagua_calls, ddp_calls)
+
+
+def _rank_compressed(dims):
+    """DDP's, ByteGrad's and QAdam's calls (each against the bare model with its optimizer:
+    SGD with momentum, QAdamOptimizer for QAdam, after its warmup)."""
+    from bagua_algos import ByteGrad, QAdam, QAdamOptimizer
+
+    _install()
+    g = torch.Generator().manual_seed(bc.get_rank())
+    x = torch.randn(8, dims[0], generator=g)
+    y = torch.randint(0, dims[-1], (8,), generator=g)
+
+    def sgd(m):
+        return torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
+
+    def qadam(m):
+        return QAdamOptimizer(m.parameters(), lr=1e-3, warmup_steps=2)
+
+    bare = _model(dims)
+    plain_sgd = _calls(bare, sgd(bare), x, y)
+    bare = _model(dims)
+    plain_qadam = _calls(bare, qadam(bare), x, y)
+    ddp = DDP(_model(dims), process_group=dist.group.WORLD, bucket_cap_mb=BUCKET / 2**20)
+    out = {"ddp": (_calls(ddp, sgd(ddp), x, y) - plain_sgd,
+                   len(ddp.reducer._get_zeros_like_grad_buckets()))}
+    for name in ("bytegrad", "qadam"):
+        model = _model(dims)
+        opt = sgd(model) if name == "bytegrad" else qadam(model)
+        algo = ByteGrad() if name == "bytegrad" else QAdam(opt)
+        wrapped = with_bagua(model, [opt], algo, bucket_size=BUCKET)
+        plain = plain_sgd if name == "bytegrad" else plain_qadam
+        out[name] = (_calls(wrapped, opt, x, y) - plain, len(wrapped.buckets))
+        wrapped.detach_algorithm()
+    return out
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_bytegrad_and_qadam_python_calls_within_four_times_ddps(model):
+    got = run_ranks(_rank_compressed, 2, args=(MODELS[model],), timeout=240)[0]
+    ddp_calls, ddp_buckets = got["ddp"]
+    assert ddp_calls > 0
+    for name in ("bytegrad", "qadam"):
+        calls, buckets = got[name]
+        assert buckets == ddp_buckets, (name, buckets, ddp_buckets)
+        assert calls <= 4 * ddp_calls, (model, name, calls, ddp_calls)

@@ -4,7 +4,8 @@ ready buckets, end-of-backward detection, and the copy of gradients into a bucke
 
 In the steady state a backward enters Python only once per step (the engine's plan of
 bucket starters, its end-of-backward callback and the last bucket's flags); the per-bucket
-starter of GradientAllReduce is C as well (:func:`bagua_comm.allreduce_launcher`).
+starter of GradientAllReduce is C as well (:func:`bagua_comm.allreduce_launcher`), and so are
+ByteGrad's (bagua_comm's compiled compressed launcher) and QAdam's (:class:`FoldThenStart`).
 :class:`ReadyLoop` keeps the per-step state; the Python engine (``engine.py``) owns the
 buckets, the layout and everything that is not per gradient.
 """
@@ -188,3 +189,43 @@ cdef class ReadyLoop:
             if b.flags is not None:      # the last bucket: every rank knows its flags now
                 self.engine._last_bucket(b)
             self.handles.append((b, start()))
+
+
+# -- QAdam's per-bucket momentum fold -----------------------------------------------------------
+cdef class FoldThenStart:
+    """QAdam's bucket starter after warmup (``QAdamImpl.bucket_launchers``): call it (no
+    argument) to fold the bucket's gradients into its momenta, ``m <- beta1 m + (1 - beta1)
+    (g + wd p)`` (the torch operations of ``QAdamImpl._fold_and_average``, in its order), and
+    start their average: returns what ``start()`` returns.  ``groups[i]`` is parameter
+    ``i``'s optimizer param group (its ``betas`` and ``weight_decay`` are read at each call);
+    ``ready`` is the optimizer's ``momentum_ready`` set."""
+
+    cdef list params, grads, moms, groups
+    cdef set ready
+    cdef object start
+
+    def __init__(self, list params, list grads, list moms, list groups, set ready, start):
+        self.params, self.grads, self.moms, self.groups = params, grads, moms, groups
+        self.ready = ready
+        self.start = start
+
+    def __call__(self):
+        cdef Py_ssize_t i
+        cdef bint grad_mode = _is_grad_enabled()
+        if grad_mode:
+            _set_grad_enabled(False)
+        try:
+            for i in range(len(self.params)):
+                p = self.params[i]
+                g = self.grads[i]
+                group = self.groups[i]
+                beta1 = group["betas"][0]
+                wd = group["weight_decay"]
+                if wd:
+                    g = g.add(p, alpha=wd)
+                self.moms[i].mul_(beta1).add_(g, alpha=1 - beta1)
+                self.ready.add(id(p))
+        finally:
+            if grad_mode:
+                _set_grad_enabled(True)
+        return self.start()

@@ -13,6 +13,7 @@ unchanged and reset (with a warning) when it changes.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -209,6 +210,22 @@ class CompressedAllReduce:
         if tensor.numel() > bucket.numel:                   # padding: zero, not last decode
             tensor[bucket.numel:].zero_()
         return self.reducer.compressed_allreduce(tensor, self.compressor, bucket.name, self.op)
+
+    def launchers(self, buckets, tensors) -> list:
+        """Per bucket, a no-argument callable that starts what ``self(tensor, bucket)``
+        starts: flat, for a compressor bagua_comm runs compiled (MinMaxUInt8 without error
+        feedback on gloo), its launcher (the checks and buffers made here, once; no Python
+        per call); else a call of ``self``."""
+        from bagua_comm._compressed import _inplace_launcher
+
+        out = []
+        for t, b in zip(tensors, buckets):
+            fast = None
+            if not self.reducer.hierarchical:
+                fast = _inplace_launcher(t, self.op, self.compressor, self.reducer.group,
+                                         b.numel)
+            out.append(fast if fast is not None else functools.partial(self, t, b))
+        return out
 
     def state_dict(self) -> dict:
         return {**self.state.export(self.buckets), "layout": layout(self.buckets)}

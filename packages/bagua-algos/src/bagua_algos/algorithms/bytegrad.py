@@ -64,6 +64,7 @@ class ByteGradImpl(AlgorithmImpl):
     def __init__(self, group, algo: ByteGrad):
         super().__init__(group)
         self.state = ByteGradState(group, algo)
+        self._launchers: tuple | None = None     # (buckets, hierarchical, launchers)
 
     def bucket_alignment(self) -> int:
         return self.state.allreduce.alignment()
@@ -73,6 +74,18 @@ class ByteGradImpl(AlgorithmImpl):
 
     def bucket_ready_hook(self, ctx, bucket):
         return self.state.allreduce(bucket.grad, bucket)
+
+    def bucket_launchers(self, ctx, buckets):
+        """What :meth:`bucket_ready_hook` starts, as launchers made once per layout and mode
+        (:meth:`CompressedAllReduce.launchers`: compiled for MinMaxUInt8 on gloo)."""
+        hier = self.state.allreduce.reducer.hierarchical
+        cached = self._launchers
+        if cached is not None and cached[0] is buckets and cached[1] == hier:
+            return cached[2]
+        starts = self.state.allreduce.launchers(buckets, [b.grad for b in buckets])
+        out = [(self.grad_divisor(b), s) for b, s in zip(buckets, starts)]
+        self._launchers = (buckets, hier, out)
+        return out
 
     def state_dict(self):
         return {"compressor": self.state.allreduce.state_dict()}

@@ -114,7 +114,9 @@ class QAdamOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.init_state(p)
+                state = self.state[p]
+                if "exp_avg" not in state:     # inline: no Python call per parameter
+                    state = self.init_state(p)
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 if warm or id(p) not in self.momentum_ready:
                     grad = p.grad
@@ -212,6 +214,8 @@ class QAdamImpl(AlgorithmImpl):
         self.optimizer._under_qadam = True
         self.optimizer._qadam_groups = len(self.optimizer.param_groups)
         self.optimizer._qadam_average = self.average_momentum
+        self._launchers: tuple | None = None     # (buckets, (phase, hierarchical), launchers)
+        self._bound_state = None                 # the optimizer state the momenta are bound in
 
     def bucket_alignment(self) -> int:
         return self.state.compressed.alignment()
@@ -224,6 +228,7 @@ class QAdamImpl(AlgorithmImpl):
         self.state.build(buckets)
         for b in buckets:
             self._bind_momentum(b)
+        self._bound_state = self.optimizer.state
 
     def _bind_momentum(self, bucket):
         """Make each parameter's ``exp_avg`` a view of the bucket's momentum buffer (again
@@ -233,6 +238,37 @@ class QAdamImpl(AlgorithmImpl):
             if state["exp_avg"].data_ptr() != view.data_ptr():
                 view.copy_(state["exp_avg"])
                 state["exp_avg"] = view
+
+    def bucket_launchers(self, ctx, buckets):
+        """What :meth:`bucket_ready_hook` starts, per bucket, made once per layout and phase:
+        after warmup (no GradScaler) a compiled fold (``_engine._hot.FoldThenStart``) followed by
+        the compressed average's launcher (:meth:`CompressedAllReduce.launchers`).  The
+        momenta are bound again first when the optimizer's state was replaced
+        (``load_state_dict``)."""
+        opt = self.optimizer
+        phase = "warmup" if opt.next_step_is_warmup() else "amp" if opt._amp else "fold"
+        if opt.state is not self._bound_state:
+            for b in buckets:
+                self._bind_momentum(b)
+            self._bound_state = opt.state
+        hier = self.state.reducer.hierarchical
+        cached = self._launchers
+        if cached is not None and cached[0] is buckets and cached[1] == (phase, hier):
+            return cached[2]
+        if phase == "fold":
+            from .._engine import _hot
+
+            starts = self.state.compressed.launchers(
+                buckets, [self.state.momentum[b.index] for b in buckets])
+            out = [(None, _hot.FoldThenStart(list(b.params), b.grad_views(),
+                                             list(self.state.views[b.index]),
+                                             [self._group_of[id(p)] for p in b.params],
+                                             opt.momentum_ready, s))
+                   for b, s in zip(buckets, starts)]
+        else:
+            out = super().bucket_launchers(ctx, buckets)
+        self._launchers = (buckets, (phase, hier), out)
+        return out
 
     def carries_unused_flags(self, ctx):
         """Warmup steps average the gradients (flags included); compressed steps cannot."""
