@@ -107,9 +107,11 @@ def test_gradient_allreduce_python_calls_within_twice_ddps(model):
 
 
 def _rank_compressed(dims):
-    """DDP's, ByteGrad's and QAdam's calls (each against the bare model with its optimizer:
-    SGD with momentum, QAdamOptimizer for QAdam, after its warmup)."""
+    """DDP's, ByteGrad's, QAdam's and DDP with bagua's ByteGrad comm hook's calls (each
+    against the bare model with its optimizer: SGD with momentum, QAdamOptimizer for QAdam,
+    after its warmup)."""
     from bagua_algos import ByteGrad, QAdam, QAdamOptimizer
+    from bagua_algos.ddp_hooks import CompressionHookState, compressed_allreduce_hook
 
     _install()
     g = torch.Generator().manual_seed(bc.get_rank())
@@ -129,6 +131,10 @@ def _rank_compressed(dims):
     ddp = DDP(_model(dims), process_group=dist.group.WORLD, bucket_cap_mb=BUCKET / 2**20)
     out = {"ddp": (_calls(ddp, sgd(ddp), x, y) - plain_sgd,
                    len(ddp.reducer._get_zeros_like_grad_buckets()))}
+    hooked = DDP(_model(dims), process_group=dist.group.WORLD, bucket_cap_mb=BUCKET / 2**20)
+    hooked.register_comm_hook(CompressionHookState(), compressed_allreduce_hook)
+    out["ddp_hook"] = (_calls(hooked, sgd(hooked), x, y) - plain_sgd,
+                       len(hooked.reducer._get_zeros_like_grad_buckets()))
     for name in ("bytegrad", "qadam"):
         model = _model(dims)
         opt = sgd(model) if name == "bytegrad" else qadam(model)
@@ -141,11 +147,11 @@ def _rank_compressed(dims):
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_bytegrad_and_qadam_python_calls_within_four_times_ddps(model):
+def test_bytegrad_qadam_and_the_ddp_hook_python_calls_within_four_times_ddps(model):
     got = run_ranks(_rank_compressed, 2, args=(MODELS[model],), timeout=240)[0]
     ddp_calls, ddp_buckets = got["ddp"]
     assert ddp_calls > 0
-    for name in ("bytegrad", "qadam"):
+    for name in ("bytegrad", "qadam", "ddp_hook"):
         calls, buckets = got[name]
         assert buckets == ddp_buckets, (name, buckets, ddp_buckets)
         assert calls <= 4 * ddp_calls, (model, name, calls, ddp_calls)

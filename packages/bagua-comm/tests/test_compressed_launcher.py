@@ -190,3 +190,24 @@ def test_a_launch_runs_no_python_and_keeps_the_groups_order():
             assert np.array_equal(got, _simulate(inputs, "float32", 2, "avg")), i
         assert "compressor.chunks (3)" in bad[0] and "size mismatch" in bad[1], bad
         assert closed is not None and "closed" in closed
+
+
+def test_the_worker_completes_a_torch_future_with_the_value_or_the_error():
+    from bagua_comm._worker import Worker
+
+    w = Worker("test-worker")
+    ok, bad = torch._C.Future([]), torch._C.Future([])
+    value = torch.ones(3)
+    w.submit(lambda: None, ok, value).wait()
+
+    def fail():
+        raise ValueError("job failed")
+
+    with pytest.raises(ValueError, match="job failed"):
+        w.submit(fail, bad, value).wait()
+    w.close()
+    assert ok.wait() is value
+    with pytest.raises(ValueError, match="job failed"):
+        bad.wait()
+    with pytest.raises(RuntimeError, match="closed"):
+        w.submit(lambda: None)

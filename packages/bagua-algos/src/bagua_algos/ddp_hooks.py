@@ -12,7 +12,10 @@ Each DDP bucket is averaged with :func:`bagua_comm.compressed_allreduce` (ByteGr
 scatter-reduce-gather over 8-bit records) on bagua_comm's group; every rank decodes the same
 bytes, so ranks stay bit-identical.  ``compressor=None`` is ``MinMaxUInt8`` with one chunk per
 rank (ByteGrad's default); any :class:`bagua_comm.compression.Compressor` whose ``chunks`` is
-a multiple of the group size works (``MinMaxUInt4`` too).
+a multiple of the group size works (``MinMaxUInt4`` too).  On CPU (gloo) with ``MinMaxUInt8``
+and no error feedback, each bucket buffer gets bagua_comm's compiled launcher at its first
+sight: a hook call then runs no other Python, and bagua_comm's worker thread completes the
+returned future itself (no waiter thread).
 
 Error-feedback residuals live in the compressor, one key per bucket named by its parameters
 (their order of first appearance in the hook, the same in every run of the same model), so
@@ -114,6 +117,7 @@ class CompressionHookState:
         self._stale: set[str] = set()
         self._lock = threading.Lock()
         self._waiter: ThreadPoolExecutor | None = None
+        self._fast: dict = {}       # (address, numel, dtype) -> compiled launcher or None
         if bc.is_initialized() or dist.is_initialized():
             self._setup()
 
@@ -210,10 +214,25 @@ class CompressionHookState:
         for k in state["compressor"].get("residuals", {}):
             self._last_used[k.rsplit("/", 1)[0]] = self._backward
 
+    # -- compiled launchers ---------------------------------------------------------------------
+    def _launcher(self, buf: torch.Tensor):
+        """The compiled launcher of ``buf``'s average (bagua_comm's, for MinMaxUInt8 without
+        error feedback on gloo; residuals need no key then), or None for the general path;
+        kept by the buffer's address, size and dtype (DDP keeps its bucket buffers: it
+        rebuilds them once, after the first iteration)."""
+        from bagua_comm._compressed import _inplace_launcher
+
+        if len(self._fast) >= 256:          # buffers of layouts DDP no longer uses
+            self._fast.clear()
+        fast = _inplace_launcher(buf, bc.ReduceOp.AVG, self.compressor, self.group,
+                                 buf.numel())
+        self._fast[(buf.data_ptr(), buf.numel(), buf.dtype)] = fast
+        return fast
+
     # -- completion ---------------------------------------------------------------------------
     def _complete(self, work, fut: torch.futures.Future, buf: torch.Tensor) -> None:
-        """Resolve ``fut`` to ``buf`` once ``work`` is done: on a waiter thread for CPU
-        tensors (the gloo collective runs on bagua_comm's worker thread, overlapping the rest
+        """Resolve ``fut`` to ``buf`` once ``work`` is done (the general path): on a waiter
+        thread for CPU tensors (the gloo collective runs on bagua_comm's worker thread, overlapping the rest
         of backward), at once for CUDA tensors (``wait`` orders the caller's stream after the
         collective's)."""
         if buf.is_cuda:
@@ -224,6 +243,10 @@ class CompressionHookState:
                 self._waiter = ThreadPoolExecutor(max_workers=1,
                                                   thread_name_prefix="bagua-ddp-hook")
         self._waiter.submit(_resolve, work, fut, buf)
+
+
+_MISS = object()
+_Future = torch._C.Future      # a future the worker completes in C (DDP takes its base type)
 
 
 def _resolve(work, fut, buf) -> None:
@@ -247,6 +270,18 @@ def compressed_allreduce_hook(state: CompressionHookState, bucket: dist.GradBuck
     if state._stale:
         state._drop_stale()
     buf = bucket.buffer()
+    if buf.layout is torch.strided and not buf.is_cuda:
+        # CPU: the bucket's compiled launcher (made at its first sight), completing a torch
+        # future from bagua_comm's worker thread: no Python in between, no waiter thread
+        fast = state._fast.get((buf.data_ptr(), buf.numel(), buf.dtype), _MISS)
+        if fast is _MISS:
+            fast = state._launcher(buf)
+        if fast is not None:
+            fut = _Future([])
+            fast.into_future(fut, buf)
+            if bucket.is_last():
+                state._end_of_backward()
+            return fut
     if buf.layout is not torch.strided:
         shapes = [tuple(p.shape) for p in bucket.parameters()]
         raise ValueError(f"compressed_allreduce_hook does not support sparse gradients (the "

@@ -20,8 +20,13 @@ import weakref
 from libc.stdint cimport uint8_t
 from libc.string cimport memcpy, memset
 
+import torch
+
 from bagua_comm cimport _minmax
 from bagua_comm import traffic
+
+_set_result = torch._C.Future.set_result
+_set_unwrap = torch._C.Future._set_unwrap_func
 
 cdef Py_ssize_t _handed = 0            # jobs handed to a worker thread, ever (benchmarks)
 _workers = weakref.WeakSet()           # live workers (benchmarks: a no-op job reaches each)
@@ -37,6 +42,10 @@ def workers():
     return list(_workers)
 
 
+def _raise(error):
+    raise error
+
+
 cdef class Done:
     """A job's completion: ``wait()`` blocks until it ran and raises its exception;
     ``is_completed()``; ``value`` is a callable job's return value."""
@@ -45,6 +54,8 @@ cdef class Done:
     cdef bint _done
     cdef object _error
     cdef public object value
+    cdef object fut                 # a torch future completed with ``fut_value``, or None
+    cdef object fut_value
 
     def wait(self):
         if not self._done:
@@ -61,6 +72,14 @@ cdef class Done:
         self._error = error
         self._done = True
         self._lock.release()
+        fut, self.fut = self.fut, None
+        if fut is not None:         # as torch.futures.Future.set_exception / set_result
+            if error is not None:
+                _set_unwrap(fut, _raise)
+                _set_result(fut, error)
+            else:
+                _set_result(fut, self.fut_value)
+            self.fut_value = None
 
 
 cdef class Worker:
@@ -84,9 +103,10 @@ cdef class Worker:
         self.name = name
         _workers.add(self)
 
-    cpdef Done submit(self, job):
+    cpdef Done submit(self, job, fut=None, value=None):
         """Run ``job`` (a :class:`CompressedJob` or a no-argument callable) after those
-        submitted before."""
+        submitted before; then complete ``fut`` (a ``torch._C.Future``, if given) with
+        ``value``, or with the job's exception, from the worker thread."""
         global _handed
         if self.closed:
             raise RuntimeError("bagua_comm: this group's worker was closed (the group was "
@@ -97,6 +117,7 @@ cdef class Worker:
         cdef Done done = Done.__new__(Done)
         done._lock = allocate_lock()
         done._lock.acquire()
+        done.fut, done.fut_value = fut, value
         # Under the GIL, with nothing between that can release it: the worker either sees
         # the job before it sleeps or is asleep and woken here.
         self.jobs.append((done, job))
@@ -279,3 +300,10 @@ cdef class CompressedLauncher:
         with traffic._lock:
             traffic._bytes["compressed_allreduce"] += self.nbytes
         return self.worker.submit(self.job)
+
+    def into_future(self, fut, value):
+        """Start it, and have the worker complete the ``torch._C.Future`` ``fut`` with
+        ``value`` when it is done (a DDP communication hook's future: no waiter thread)."""
+        with traffic._lock:
+            traffic._bytes["compressed_allreduce"] += self.nbytes
+        self.worker.submit(self.job, fut, value)
