@@ -7,15 +7,18 @@ ByteGrad comm hook, counted exactly on CPU (2 gloo ranks), plus an overhead-boun
     python benchmarks/micro/step_counts.py --json out.json      # also write the figures
 
 Counts, per variant, over one training step (zero_grad, forward, backward, optimizer step),
-as the wrapped step minus the same step of the unwrapped model on the same rank:
+as the wrapped step minus the same step of the unwrapped model on the same rank (with the same
+optimizer: SGD with momentum, QAdamOptimizer for QAdam):
 
 * ``buckets``: DDP's (``reducer._get_zeros_like_grad_buckets()``), bagua's ``len(buckets)``;
 * ``ops``: aten and c10d ops seen by a ``TorchDispatchMode`` on every thread that runs during
-  the step (the mode is pushed in each new thread, so bagua's worker threads count too);
+  the step (the mode is pushed in each new thread, so bagua's worker threads count too; a
+  compiled worker thread is handed a Python no-op to see the change of phase);
 * ``calls``: Python function calls (``sys.setprofile`` / ``threading.setprofile`` "call"
   events, every thread);
 * ``handoffs``: work handed to another thread (calls of ``ThreadPoolExecutor.submit``,
-  ``Thread.start`` and ``queue`` ``put``).
+  ``Thread.start`` and ``queue`` ``put``, and jobs handed to bagua_comm's compiled worker
+  threads, which make no Python call: ``bagua_comm._worker.handed_over()``).
 
 Models: ``mlp`` (Linear 1024-256-256-256-256-10, 10 tensors) and ``t100`` (50 Linear(32, 32),
 100 tensors); bucket size ``--bucket-kib`` (16 KiB) for both DDP (``bucket_cap_mb``) and
@@ -133,17 +136,25 @@ class _Counter:
 
     def count(self, step):
         """Ops of one call of ``step``, Python calls and hand-offs of the next one."""
+        try:
+            from bagua_comm import _worker
+        except ImportError:         # a tree before the compiled worker: nothing to add
+            _worker = _NoWorker
+
         self._threads.worker = False
         self._threads.mode = None
         self.ops = self.calls = self.handoffs = 0
         self.phase = "ops"
+        _poke(_worker)              # compiled workers enter the mode
         try:
             with self.Mode():
                 step()
         finally:
             self.phase = None
         time.sleep(0.05)            # worker threads finish and leave the mode
+        _poke(_worker)
         self.phase = "calls"
+        handed = _worker.handed_over()
         sys.setprofile(self._prof)
         try:
             step()
@@ -151,7 +162,32 @@ class _Counter:
             sys.setprofile(None)
             self.phase = None
         time.sleep(0.05)
+        # jobs handed to bagua_comm's compiled worker threads (no Python call to count)
+        self.handoffs += _worker.handed_over() - handed
         return {"ops": self.ops, "calls": self.calls, "handoffs": self.handoffs}
+
+
+def _noop():
+    pass
+
+
+class _NoWorker:
+    @staticmethod
+    def workers():
+        return []
+
+    @staticmethod
+    def handed_over():
+        return 0
+
+
+def _poke(worker_module):
+    """A Python no-op on each of bagua_comm's compiled worker threads: its loop makes no
+    Python call, so the thread would otherwise see no profiling event, and so no change of
+    phase, during a step."""
+    for w in worker_module.workers():
+        if not w.closed:
+            w.submit(_noop).wait()
 
 
 def _algorithm(name, opt):
@@ -162,6 +198,10 @@ def _algorithm(name, opt):
     if name == "async":
         return Algorithm.init("async", sync_interval_ms=10_000)
     return Algorithm.init(name)
+
+
+def _optimizer_kind(name):
+    return "qadam" if name == "qadam" else "sgd"
 
 
 def _optimizer(name, model):
@@ -207,13 +247,16 @@ def _count_rank(counter_box, models, variants, bucket_bytes, warmup):
     out = {}
     for model_name in models:
         x, y = _batch(model_name, 8, bc.get_rank())
-        base = make_model(model_name)
-        base_opt = torch.optim.SGD(base.parameters(), lr=1e-3, momentum=0.9)
-        for _ in range(warmup):
-            _step(base, base_opt, x, y)
-        plain = counter.count(functools.partial(_step, base, base_opt, x, y))
+        bare = {}
+        for kind in {_optimizer_kind(n) for n in variants}:     # the same optimizer's step
+            base = make_model(model_name)
+            base_opt = _optimizer(kind, base)
+            for _ in range(warmup):
+                _step(base, base_opt, x, y)
+            bare[kind] = counter.count(functools.partial(_step, base, base_opt, x, y))
         rows = {}
         for name in variants:
+            plain = bare[_optimizer_kind(name)]
             model, opt, buckets, close = _variant(name, model_name, bucket_bytes)
             for _ in range(warmup):
                 _step(model, opt, x, y)
