@@ -73,17 +73,23 @@ cdef class Done:
         self._done = True
         self._lock.release()
         fut, self.fut = self.fut, None
-        if fut is not None:         # as torch.futures.Future.set_exception / set_result
+        if fut is None:
+            return
+        try:                        # as torch.futures.Future.set_exception / set_result
             if error is not None:
                 _set_unwrap(fut, _raise)
                 _set_result(fut, error)
             else:
                 _set_result(fut, self.fut_value)
-            self.fut_value = None
+        except BaseException:       # completed elsewhere already: the worker carries on
+            pass
+        self.fut_value = None
 
 
 cdef class Worker:
-    """One thread running jobs in submission order (started at the first job)."""
+    """One thread running jobs in submission order (started when the worker is made, so that
+    two first submissions cannot both start one; a daemon thread, as the old executor's
+    threads were joined only by ``close``)."""
 
     cdef object jobs                # deque of (Done, job); None stops the thread
     cdef object wake                # locked while the worker sleeps on an empty queue
@@ -99,8 +105,9 @@ cdef class Worker:
         self.wake.acquire()
         self.sleeping = False
         self.closed = False
-        self.thread = None
         self.name = name
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
         _workers.add(self)
 
     cpdef Done submit(self, job, fut=None, value=None):
@@ -111,9 +118,6 @@ cdef class Worker:
         if self.closed:
             raise RuntimeError("bagua_comm: this group's worker was closed (the group was "
                                "destroyed)")
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-            self.thread.start()
         cdef Done done = Done.__new__(Done)
         done._lock = allocate_lock()
         done._lock.acquire()
@@ -158,8 +162,6 @@ cdef class Worker:
         if self.closed:
             return
         self.closed = True
-        if self.thread is None:
-            return
         self.jobs.append(None)
         if self.sleeping:
             self.sleeping = False
