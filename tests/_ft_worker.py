@@ -122,6 +122,20 @@ def die_mid_heal(transport, armed):
     server.RequestHandlerClass = Dying
 
 
+def time_configures(pg) -> list:
+    """``[start of the last group configure]`` (wall time), kept up to date: torchft's
+    Manager calls ``pg.reconfigure`` once per new quorum (benchmarks/ft/ft.py's
+    ``rebuild_s`` runs from there to the first commit)."""
+    last = [None]
+    reconfigure = pg.reconfigure
+
+    def timed(opts):
+        last[0] = time.time()
+        return reconfigure(opts)
+    pg.reconfigure = timed
+    return last
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--lighthouse", required=True)
@@ -176,6 +190,7 @@ def run(args):
                        replica_id=args.replica_id, scheduler=sched, data=data,
                        timeout=timedelta(seconds=args.timeout), secret=args.secret,
                        quorum_timeout=timedelta(seconds=args.quorum_timeout))
+    configured = time_configures(ft._pg)
     if args.fail_heals:
         fail_heal(ft, args.fail_heals)
     def armed():
@@ -241,7 +256,8 @@ def run(args):
                               "loss": float(loss), "indices": idx.tolist(),
                               "epoch": ft.data.sampler.epoch,
                               "heal_s": ft.heal_times[-1] if heals else None,
-                              "error": None if step.error is None else str(step.error)[:200]})
+                              "error": None if step.error is None else str(step.error)[:200],
+                              "configured": configured[0]})
                   + "\n")
     if ft.committed_steps == args.raise_at and ft.committed_steps < args.steps:
         # this replica leaves the job and comes back in the same process with a fresh model,

@@ -82,6 +82,9 @@ def main():
             die_in_configure(pg, args.die_in_configure, armed)
         if args.die_mid_heal:
             die_mid_heal(manager._checkpoint_transport, armed)
+    from _ft_worker import time_configures
+
+    configured = time_configures(pg)
     ddp = DistributedDataParallel(manager, model)
     opt = Optimizer(manager, inner)
     g = torch.Generator().manual_seed(hash(args.tag) % 1000)
@@ -119,7 +122,7 @@ def main():
             sched.step()
         log.write(json.dumps({"t0": t0, "t": time.time(), "step": manager.current_step(),
                               "committed": committed, "world": size, "loss": float(loss),
-                              "heal_s": heal_s}) + "\n")
+                              "heal_s": heal_s, "configured": configured[0]}) + "\n")
     manager.shutdown(wait=False)
 
 

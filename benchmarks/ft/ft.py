@@ -18,7 +18,10 @@ Reported (``--json PATH``, and a plot ``ft.png`` beside it): ``stall_s`` (the fa
 the survivors' first committed step in a quorum without the lost host, slowest survivor),
 ``first_commit_s`` (the fault to their first committed step of any quorum: a step already
 past its collectives when the host died commits at once, so this one depends on where in
-the step the kill landed, not on the system), ``steps_lost`` (step attempts the survivors
+the step the kill landed, not on the system), ``rebuild_s`` (the part of the stall after
+the Lighthouse formed the quorum without the lost host: from the start of its group
+configure to that first commit, slowest survivor; the stall's wait for the heartbeat
+timeout varies with the kill's phase against the heartbeats, this part does not), ``steps_lost`` (step attempts the survivors
 did not commit), ``heal_s`` (the returning host's quorum + state transfer + rebuild),
 ``replicas_identical`` (every live replica's full state bit for bit at the heal step:
 parameters, optimizer and algorithm state, LR scheduler, sampler position), and the same under
@@ -185,11 +188,16 @@ SECOND = {"join": (1, "--die-in-configure", str(HOSTS)), "mid-heal": (0, "--die-
 
 
 def _stall(logs, tags, t_fault, size):
-    """(stall, first commit, steps lost) after ``t_fault`` over the hosts ``tags``: the stall
-    ends at each one's first committed step in a quorum of ``size`` (without the lost host),
-    the first commit at its first committed step of any quorum (a step already past its
-    collectives when the host died commits at once: that is not the end of the stall)."""
+    """(stall, first commit, steps lost, rebuild) after ``t_fault`` over the hosts ``tags``:
+    the stall ends at each one's first committed step in a quorum of ``size`` (without the
+    lost host), the first commit at its first committed step of any quorum (a step already
+    past its collectives when the host died commits at once: that is not the end of the
+    stall); the rebuild runs from the start of that quorum's group configure (logged by the
+    workers as ``configured``) to the same commit: what the system does once the Lighthouse
+    has formed the quorum, without the wait for the heartbeat timeout, whose phase against
+    the kill varies from run to run by up to the heartbeat interval and the quorum tick."""
     stall = first_any = 0.0
+    rebuild = None
     lost = 0
     for s in tags:
         after = [r for r in logs[s] if r["t"] > t_fault]
@@ -198,7 +206,9 @@ def _stall(logs, tags, t_fault, size):
         stall = max(stall, first["t"] - t_fault)
         first_any = max(first_any, any_["t"] - t_fault)
         lost = max(lost, sum(1 for r in after if not r["committed"] and r["t"] <= first["t"]))
-    return stall, first_any, lost
+        if first.get("configured") is not None and first["configured"] > t_fault:
+            rebuild = max(rebuild or 0.0, first["t"] - first["configured"])
+    return stall, first_any, lost, rebuild
 
 
 def scenario(hosts: Hosts, system: str, lighthouse: str, out: Path, args) -> dict:
@@ -275,9 +285,9 @@ def scenario(hosts: Hosts, system: str, lighthouse: str, out: Path, args) -> dic
     size = len(live) + 1                        # the live survivors and the returned host
     logs = {t: _log(out / f"{t}.log") for t in [*survivors, "back"]}
     if second is None:
-        stall, first_any, lost = _stall(logs, survivors, t_fault, HOSTS - 1)
+        stall, first_any, lost, rebuild = _stall(logs, survivors, t_fault, HOSTS - 1)
     else:
-        stall, first_any, lost = _stall(logs, live, t_fault, size)
+        stall, first_any, lost, rebuild = _stall(logs, live, t_fault, size)
     heal_s = next((r["heal_s"] for r in logs["back"] if r.get("heal_s") is not None), None)
     # the step it healed at: before its first committed step (with --fault heal-fail its
     # first attempt is not committed)
@@ -291,7 +301,7 @@ def scenario(hosts: Hosts, system: str, lighthouse: str, out: Path, args) -> dic
               for t, log_ in {f"h{i}": _log(out / f"h{i}.log") for i in range(HOSTS)}.items()}
     series["back"] = [(r["t"] - t_start, r["loss"], r["committed"]) for r in logs["back"]]
     return {"status": "ok", "stall_s": round(stall, 3), "first_commit_s": round(first_any, 3),
-            "steps_lost": lost, "heal_s": None if heal_s is None else round(heal_s, 3),
+            "rebuild_s": None if rebuild is None else round(rebuild, 3), "steps_lost": lost, "heal_s": None if heal_s is None else round(heal_s, 3),
             "replicas_identical": identical, "heal_step": heal_step,
             "events_s": {"kill": round(t_kill - t_start, 3), "return": round(t_back - t_start, 3),
                          "fault": round(t_fault - t_start, 3)},

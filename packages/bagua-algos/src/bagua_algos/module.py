@@ -53,6 +53,19 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
     leave the algorithm's maths unchanged) during the first steps of training, starting from
     ``bucket_size``; see :meth:`BaguaModule.autotune_report`.
     """
+    return _wrap(model, optimizers, algorithm, group=group, do_flatten=do_flatten,
+                 bucket_size=bucket_size, autotune=autotune, broadcast_buffers=broadcast_buffers)
+
+
+def _wrap(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | None = None, *,
+          group: bc.ProcessGroup | None = None, do_flatten: bool = True,
+          bucket_size: int | None = None, autotune: bool | dict = False,
+          broadcast_buffers: bool = True, in_sync: bool = False) -> BaguaModule:
+    """:func:`with_bagua`; with ``in_sync=True`` (bagua_algos.ft's rebuild, which has proven
+    it: every rank compared :func:`_wrap_configuration` and its parameters, buffers and
+    optimizer state, see ``ft._source``) without the configuration check and without the
+    broadcast of rank 0's parameters, buffers and optimizer state (collectives that would
+    move equal values)."""
     bucket_given = bucket_size is not None
     bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
     if not isinstance(broadcast_buffers, bool):
@@ -99,11 +112,27 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
             "(step counter, error-feedback residuals, replicas) was dropped: load checkpoints "
             "after with_bagua: model = with_bagua(model, [optimizer], algorithm); "
             "model.load_state_dict(ck['model']); optimizer.load_state_dict(ck['optimizer'])")
-    _consistency.check_same_on_every_rank(_consistency.configuration(
-        model, optimizers, algorithm,
-        {"do_flatten": do_flatten, "bucket_size": bucket_size, "autotune": autotune}), group)
+    if not in_sync:
+        _consistency.check_same_on_every_rank(_consistency.configuration(
+            model, optimizers, algorithm,
+            {"do_flatten": do_flatten, "bucket_size": bucket_size, "autotune": autotune}), group)
     return BaguaModule(model, optimizers, algorithm, group, do_flatten, bucket_size,
-                       autotune=autotune, broadcast_buffers=broadcast_buffers)
+                       autotune=autotune, broadcast_buffers=broadcast_buffers,
+                       broadcast_state=not in_sync)
+
+
+def _wrap_configuration(model: torch.nn.Module, optimizers, algorithm: Algorithm, *,
+                        do_flatten: bool = True, bucket_size: int | None = None,
+                        autotune: bool | dict = False) -> dict[str, str]:
+    """What :func:`with_bagua` checks is the same on every rank (an ``Algorithm``, not
+    ``"auto"``), with the same defaults resolved."""
+    bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = [optimizers]
+    return _consistency.configuration(
+        model, list(optimizers or []), algorithm,
+        {"do_flatten": do_flatten, "bucket_size": bucket_size,
+         "autotune": _autotune.resolve_options(autotune)})
 
 
 def _flat_on_one_level(algorithm: Algorithm, group: bc.ProcessGroup) -> Algorithm:
@@ -136,7 +165,8 @@ class BaguaModule(torch.nn.Module):
     :class:`~bagua_algos._engine.engine.StepEngine` in :attr:`engine`."""
 
     def __init__(self, module, optimizers, algorithm, group, do_flatten, bucket_size, *,
-                 autotune: dict | None = None, broadcast_buffers: bool = True):
+                 autotune: dict | None = None, broadcast_buffers: bool = True,
+                 broadcast_state: bool = True):
         super().__init__()
         self.module = module
         self.algorithm = algorithm
@@ -144,9 +174,10 @@ class BaguaModule(torch.nn.Module):
         self.group = group
         self.do_flatten = do_flatten
         self.ctx = BaguaContext(_uncompiled(module), optimizers, group)
-        if group.size > 1:
+        synced = group.size > 1 and broadcast_state
+        if synced:
             broadcast_tensors(list(module.parameters()) + list(module.buffers()), group)
-        for opt in optimizers if group.size > 1 else ():
+        for opt in optimizers if synced else ():
             state = bc.broadcast_object(opt.state_dict() if group.rank == 0 else None, 0,
                                         group=group)
             if group.rank != 0:

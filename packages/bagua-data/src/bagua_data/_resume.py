@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 STATE_VERSION = 2
 # Settings that fix an epoch's order: a checkpoint only resumes into a sampler that shares
 # them.  The world size may differ (the unseen samples are re-balanced).
@@ -30,6 +32,18 @@ def unseen(consumed: set[int], rest: Iterable[int]) -> list[int]:
             seen.add(i)
             out.append(i)
     return out
+
+
+def unseen_of(consumed: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+    """:func:`unseen` on tensors: the indices of ``rest`` (int64) whose entry in the mask
+    ``consumed`` is False, each once, in first-seen order (no Python loop over samples)."""
+    rest = rest[~consumed[rest]]
+    if rest.numel() == 0:
+        return rest
+    _, inverse = torch.unique(rest, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), rest.numel(), dtype=torch.long)
+    first.scatter_reduce_(0, inverse, torch.arange(rest.numel()), "amin")
+    return rest[torch.sort(first).values]
 
 
 def _is_int(x: Any) -> bool:

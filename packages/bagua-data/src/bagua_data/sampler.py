@@ -11,7 +11,7 @@ from torch.utils.data import Sampler
 
 from ._complexity import ComplexitySource, compute_complexities, noise_scale
 from ._progress import Progress
-from ._resume import check_consumed, check_rows, check_state, make_state, unseen
+from ._resume import check_consumed, check_rows, check_state, make_state, unseen_of
 from ._world import resolve_world
 
 
@@ -150,13 +150,13 @@ class LoadBalancingDistributedSampler(Sampler[int]):
             chunks = chunks[torch.randperm(rows, generator=g)]
         return chunks
 
-    def _rebalance(self, epoch: int, pool: list[int], world: int, salt: int) -> torch.Tensor:
+    def _rebalance(self, epoch: int, pool, world: int, salt: int) -> torch.Tensor:
         """A table over ``pool`` (unseen samples, once each) at ``world`` ranks: padded with
         repeats of its first samples to a multiple of ``world`` (``drop_last=True``: the last
         ``len(pool) % world`` are dropped instead), then dealt like an epoch."""
         g = torch.Generator()
         g.manual_seed(((self.seed + epoch) * 1_000_003 + salt) % (1 << 63))
-        indices = torch.tensor(pool, dtype=torch.long)
+        indices = torch.as_tensor(pool, dtype=torch.long)     # a list or a tensor
         m = indices.numel()
         if self.shuffle and m:
             indices = indices[torch.randperm(m, generator=g)]
@@ -172,11 +172,13 @@ class LoadBalancingDistributedSampler(Sampler[int]):
     def _plan(self, epoch: int, prior: list[list[int]], world: int) -> torch.Tensor:
         """The table that follows ``prior`` ([num_replicas, rows consumed] per earlier plan)."""
         table = self._base_chunks(epoch, prior[0][0] if prior else world)
-        consumed: set[int] = set()
+        # which dataset indices a committed row of an earlier plan holds (a mask: a
+        # membership change under FaultTolerant re-plans on the survivors' critical path)
+        consumed = torch.zeros(self._complexities.numel(), dtype=torch.bool)
         for j, (_, rows) in enumerate(prior):
             check_rows(rows, int(table.shape[0]), "samples")
-            consumed.update(table[:rows].reshape(-1).tolist())
-            pool = unseen(consumed, table[rows:].reshape(-1).tolist())
+            consumed[table[:rows].reshape(-1)] = True
+            pool = unseen_of(consumed, table[rows:].reshape(-1))
             nxt = prior[j + 1][0] if j + 1 < len(prior) else world
             table = self._rebalance(epoch, pool, nxt, j + 1)
         return table

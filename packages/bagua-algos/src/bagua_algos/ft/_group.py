@@ -27,9 +27,12 @@ import torch.distributed as dist
 
 import bagua_comm as bc
 
-# how often a member waiting for the others at the store looks again, and how often it
-# checks whether the missing ones are still alive (seconds)
-_POLL_S, _PROBE_S = 0.01, 0.1
+# how often a member waiting for the others at the store looks again (the first look
+# after _FIRST_POLL_S, each next one twice as late up to _POLL_S: members of a quorum
+# arrive within a millisecond or two of each other, and a fixed 10 ms poll cost each
+# configure up to 10 ms per group), and how often it checks whether the missing ones are
+# still alive (seconds)
+_FIRST_POLL_S, _POLL_S, _PROBE_S = 0.0005, 0.01, 0.1
 
 
 class PeerDied(RuntimeError):
@@ -57,7 +60,7 @@ def arrive(store, rank: int, world_size: int, peers: list[str], what: str,
     store.set(f"bagua-arrived/{what}/{rank}", b"1")
     keys = [f"bagua-arrived/{what}/{r}" for r in range(world_size)]
     start = time.monotonic()
-    probed = start
+    probed, pause = start, _FIRST_POLL_S
     while not store.check(keys):
         now = time.monotonic()
         if now - start > timeout.total_seconds():
@@ -70,7 +73,8 @@ def arrive(store, rank: int, world_size: int, peers: list[str], what: str,
             if dead:
                 raise PeerDied(f"bagua_algos.ft: peer rank(s) {dead} of the new quorum died "
                                "while its group was being set up (connection refused)")
-        time.sleep(_POLL_S)
+        time.sleep(pause)
+        pause = min(2 * pause, _POLL_S)
 
 
 def reconfigurable_gloo(timeout: timedelta):

@@ -26,11 +26,11 @@ import bagua_comm as bc
 from .._engine.checkpoint import STATE_KEY as _STATE_KEY
 from .._engine.consistency import configuration
 from ..algorithm import Algorithm
-from ..module import BaguaModule, with_bagua
+from ..module import BaguaModule, _wrap, _wrap_configuration
 from ._data import CommittedBatches
 from ._group import bagua_group, close_connections, configure_failure, reconfigurable_gloo, release
 from ._lighthouse import no_quorum_error
-from ._source import authenticate, choose_source, share
+from ._source import agree, authenticate, digest, share, state_digest
 from ._speculate import alive, communicates_in_step, drain, restore, snapshot, synced_fragments
 from ._transport import SecretRefused, job_secret, make_transport
 
@@ -431,9 +431,18 @@ class FaultTolerant:
         self._group = bagua_group(self._pg)
         authenticate(self._group, self._secret)     # before anything else goes through it
         survivor = healed is None and self._generation > 0 and self.data is not None
-        src, agreed, old_ranks = choose_source(
+        # torch's Optimizer.load_state_dict (here when healing, in a rebuild's share on the
+        # replicas behind) adds keys to the optimizer's defaults ("differentiable") through
+        # __setstate__; a replica whose optimizer was never loaded lacks them, and QAdam's
+        # description in the wrap's configuration includes its optimizer: every replica
+        # takes torch's own normalisation before the digests and each wrap
+        self.optimizer.__setstate__(self.optimizer.__getstate__())
+        config = digest(_wrap_configuration(self._module, [self.optimizer], self.algorithm,
+                                            **self._wrap)) if size > 1 else b""
+        src, agreed, old_ranks, same_config, same_state = agree(
             self._group, self.manager.current_step(), self.manager.errored() is None,
-            self.data.sampler.rank if survivor else -1)
+            self.data.sampler.rank if survivor else -1, config,
+            state_digest(self._module, self.optimizer, _STATE_KEY) if size > 1 else b"")
         if survivor:       # every replica goes on from the source's parameters
             data_state = self.data.give_back(old_ranks[src])
         shared = share(self._group, src, self._module, {
@@ -441,7 +450,8 @@ class FaultTolerant:
             "scheduler": None if agreed or self.scheduler is None
             else self.scheduler.state_dict(),
             "data": None if agreed else data_state, "bagua": own,
-            "owed": None if data_state is None else data_state.get("owed")}) if size > 1 else None
+            "owed": None if data_state is None else data_state.get("owed")},
+            params=not same_state) if size > 1 else None
         if shared is not None and rank != src:
             if not agreed:                 # this replica is behind: the source's state
                 self.optimizer.load_state_dict(shared["optimizer"])
@@ -451,15 +461,14 @@ class FaultTolerant:
             if not agreed or own is None or (own.get("world_size"), own.get("rank")) != (
                     size, rank):
                 own = shared["bagua"]
-        # torch's Optimizer.load_state_dict (here when healing, in with_bagua on ranks > 0)
-        # adds keys to the optimizer's defaults ("differentiable") through __setstate__; a
-        # replica whose optimizer was never loaded lacks them, and QAdam's description in
-        # with_bagua's same-on-every-rank check includes its optimizer: every replica takes
-        # torch's own normalisation before each wrap
         self.optimizer.__setstate__(self.optimizer.__getstate__())
+        # every replica now holds the source's parameters (shared, or proven equal) and, when
+        # not all were up to date or all states are equal, the same optimizer state: the
+        # wrap's check and broadcast from rank 0 would move equal values
+        in_sync = same_config and (same_state or not agreed)
         with _quiet("bagua_algos"):
-            self.model = with_bagua(self._module, [self.optimizer], self.algorithm,
-                                    group=self._group, **self._wrap)
+            self.model = _wrap(self._module, [self.optimizer], self.algorithm,
+                               group=self._group, in_sync=in_sync, **self._wrap)
         if own is not None:
             self.model.load_bagua_state_dict(own)
         if self.data is not None and data_state is not None:

@@ -5,9 +5,16 @@ may be a replica that just joined and whose heal failed (its state is the initia
 Before the wrap, the replicas agree on an up-to-date source, the one at the highest committed
 step that saw no error in the quorum (lowest rank among equals), and every replica that is
 not up to date takes the source's whole state: model, optimizer, scheduler, sampler position
-and the algorithm's shared state.  with_bagua's own broadcast from rank 0 then moves equal
-values.  A replica whose heal failed still takes part in the step (its peers' collectives
-need it) with the source's state, votes it down, and heals at the next quorum.
+and the algorithm's shared state.  A replica whose heal failed still takes part in the step
+(its peers' collectives need it) with the source's state, votes it down, and heals at the
+next quorum.
+
+The same collective compares digests of every replica's wrap configuration (what
+with_bagua checks) and of its parameters, buffers and optimizer state.  Where the states are
+equal (survivors of a per-step algorithm: every committed step left them bit-identical),
+the source's parameters are not broadcast; the wrap then skips with_bagua's configuration
+check and its broadcast of rank 0's parameters and optimizer state whenever both are proven
+equal (see :class:`Agreement`).  The algorithm's shared state always comes from the source.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -52,29 +60,92 @@ def authenticate(group: bc.ProcessGroup, secret: bytes) -> None:
                            "Lighthouse): nothing was exchanged with them")
 
 
+class Agreement(NamedTuple):
+    """What the members of a rebuilt group agreed (:func:`agree`)."""
+    src: int                 # the source's rank
+    agreed: bool             # every replica up to date: at the source's step, ok
+    old_ranks: list[int]     # every member's rank in the group before (-1: it joins)
+    same_config: bool        # every replica's wrap configuration has the same digest
+    same_state: bool         # every replica's parameters, buffers, optimizer state too
+
+
+_DIGEST = 16        # bytes of each digest: two int64 in the allgather
+
+
+def digest(*parts) -> bytes:
+    """A digest of ``parts``: tensors (dtype, shape, bytes) and plain data (``repr``), nested
+    in dicts, lists and tuples.  A tensor off the CPU is not copied to the host for it (nor a
+    sparse one read): the digest is then a random one, unequal to any other (its state is
+    broadcast as before)."""
+    h = hashlib.blake2b(digest_size=_DIGEST)
+
+    def feed(x) -> bool:
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "cpu" or x.layout != torch.strided:
+                return False
+            t = x.detach().contiguous().reshape(-1)
+            h.update(f"T{t.dtype}{tuple(x.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().data)
+        elif isinstance(x, dict):
+            h.update(f"D{len(x)}".encode())
+            return all(feed(k) and feed(v) for k, v in x.items())
+        elif isinstance(x, (list, tuple)):
+            h.update(f"L{len(x)}".encode())
+            return all(feed(v) for v in x)
+        else:
+            h.update(f"{type(x).__name__}:{x!r};".encode())
+        return True
+
+    return h.digest() if feed(parts) else os.urandom(_DIGEST)
+
+
+def state_digest(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 drop: str) -> bytes:
+    """:func:`digest` of the parameters, buffers and optimizer state (without its ``drop``
+    entry, the algorithm's per-rank state)."""
+    opt = {k: v for k, v in optimizer.state_dict().items() if k != drop}
+    return digest(list(module.parameters()), list(module.buffers()), opt)
+
+
+def agree(group: bc.ProcessGroup, step: int, ok: bool, old_rank: int = -1,
+          config: bytes = b"", state: bytes = b"") -> Agreement:
+    """The source and what is equal on every member, in one collective over ``group``.
+
+    ``step``: this replica's committed step; ``ok``: no error in this quorum (a failed heal, a
+    failed group configure); ``old_rank``: this replica's rank in the group before (-1: it
+    joins); ``config``, ``state``: its :func:`digest` of the wrap configuration and of
+    :func:`state_digest` (empty: unknown, counted unequal).  The source is the replica at
+    the highest step that saw no error; among equals a member of the old group is preferred
+    (its parameters hold its own local steps, under LocalSGD and DiLoCo; a joiner's are
+    another's), lowest rank first."""
+    if group.size == 1:
+        return Agreement(0, True, [old_rank], True, True)
+    known = [int.from_bytes(d[i:i + 8], "little", signed=True) if len(d) == _DIGEST
+             else int.from_bytes(os.urandom(8), "little", signed=True)
+             for d in (config, state) for i in (0, 8)]
+    mine = torch.tensor([step, int(ok), old_rank, *known], dtype=torch.int64)
+    every = torch.empty(mine.numel() * group.size, dtype=torch.int64)
+    bc.allgather(mine, every, group=group)
+    rows = every.view(group.size, mine.numel()).tolist()
+    keys = [(row[0], row[1], row[2] >= 0, -r) for r, row in enumerate(rows)]
+    best = max(keys)
+    return Agreement(-best[3], all(k[:2] == best[:2] for k in keys), [row[2] for row in rows],
+                     all(row[3:5] == rows[0][3:5] for row in rows),
+                     all(row[5:7] == rows[0][5:7] for row in rows))
+
+
 def choose_source(group: bc.ProcessGroup, step: int, ok: bool,
                   old_rank: int = -1) -> tuple[int, bool, list[int]]:
-    """(the source's rank, whether every replica is up to date: at the source's step, ok,
-    every member's ``old_rank``).
-
-    Collective over ``group``.  ``step``: this replica's committed step; ``ok``: no error in
-    this quorum (a failed heal, a failed group configure); ``old_rank``: this replica's rank
-    in the group before (-1: it joins).  Among equals a member of the old group is preferred:
-    its parameters hold its own local steps (LocalSGD, DiLoCo), a joiner's another's."""
-    if group.size == 1:
-        return 0, True, [old_rank]
-    mine = torch.tensor([step, int(ok), old_rank], dtype=torch.int64)
-    every = torch.empty(3 * group.size, dtype=torch.int64)
-    bc.allgather(mine, every, group=group)
-    rows = every.view(group.size, 3).tolist()
-    keys = [(s, k, o >= 0, -r) for r, (s, k, o) in enumerate(rows)]
-    best = max(keys)
-    return -best[3], all(k[:2] == best[:2] for k in keys), [o for _, _, o in rows]
+    """(the source's rank, whether every replica is up to date, every member's
+    ``old_rank``): :func:`agree` without digests."""
+    return tuple(agree(group, step, ok, old_rank)[:3])
 
 
-def share(group: bc.ProcessGroup, src: int, module: torch.nn.Module, state: dict) -> dict:
-    """``src``'s parameters and buffers into ``module`` on every rank, and ``src``'s
-    ``state`` (plain data and tensors: optimizer, scheduler, sampler, algorithm) returned on
-    every rank (collective)."""
-    broadcast_tensors(list(module.parameters()) + list(module.buffers()), group, src)
+def share(group: bc.ProcessGroup, src: int, module: torch.nn.Module, state: dict,
+          params: bool = True) -> dict:
+    """``src``'s parameters and buffers into ``module`` on every rank (when ``params``: not
+    where every rank's are proven equal), and ``src``'s ``state`` (plain data and tensors:
+    optimizer, scheduler, sampler, algorithm) returned on every rank (collective)."""
+    if params:
+        broadcast_tensors(list(module.parameters()) + list(module.buffers()), group, src)
     return bc.broadcast_object(state if group.rank == src else None, src, group=group)

@@ -1,0 +1,115 @@
+"""The collectives of FaultTolerant's rebuild after a membership change (issue #45's stall):
+replicas proven equal (a digest of their wrap configuration, parameters, buffers and
+optimizer state in the source choice's allgather) move no parameters and no optimizer state;
+replicas that differ still end with the source's (rank 0's) parameters and optimizer state.
+Counted, not timed: each collective skipped is a round trip every survivor waits for."""
+
+import pytest
+import torch
+
+pytest.importorskip("torchft", reason="torchft is not installed: pip install 'bagua-algos[ft]'")
+
+SECRET = b"0123456789abcdef-job"
+
+
+class _Manager:
+    def current_step(self):
+        return 5
+
+    def errored(self):
+        return None
+
+
+class _Pg:
+    members = None
+    generation = 2
+
+
+def _rebuild(case):
+    """One survivor-style rebuild (no heal) on 2 ranks of run_ranks's group, with
+    bagua_comm's collectives counted; ``case`` makes rank 1 differ (or not)."""
+    import bagua_algos as ba
+    import bagua_algos.ft._replica as rep
+    import bagua_comm as bc
+
+    group = bc.get_default_group()
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    opt = torch.optim.Adam(module.parameters(), lr=0.1)
+    module(torch.ones(2, 4)).sum().backward()        # the same step on every rank
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        if case == "params" and group.rank == 1:
+            module[0].weight.add_(1.0)
+        if case == "optimizer" and group.rank == 1:
+            opt.state[module[0].weight]["exp_avg"].add_(1.0)
+    ft = rep.FaultTolerant.__new__(rep.FaultTolerant)
+    ft._module, ft.optimizer, ft.algorithm = module, opt, ba.GradientAllReduce()
+    ft.scheduler = ft.data = ft.model = ft._group = ft._pending = None
+    ft._secret, ft._generation, ft._dirty = SECRET, 1, True
+    ft._wrap = {"bucket_size": None, "do_flatten": True}
+    ft.manager, ft._pg = _Manager(), _Pg()
+    ft._pg.members = (group.rank, group.size)
+    rep.bagua_group = lambda pg: group           # the quorum's group: run_ranks's own
+    counts = dict.fromkeys(("broadcast", "broadcast_object", "allgather", "allreduce_inplace"),
+                           0)
+    for name in counts:
+        real = getattr(bc, name)
+
+        def counted(*a, _name=name, _real=real, **kw):
+            counts[_name] += 1
+            return _real(*a, **kw)
+        setattr(bc, name, counted)
+    ft._rebuild(None)
+    for name in counts:                          # the module's own functions again
+        setattr(bc, name, getattr(bc, name).__kwdefaults__["_real"])
+    params = [p.detach().clone() for p in module.parameters()]
+    moments = {k: v["exp_avg"].clone() for k, v in opt.state_dict()["state"].items()}
+    ft.model.detach_algorithm()
+    return counts, params, moments
+
+
+def _reference():
+    """The replicas' common state: the same seed and step in this process."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    opt = torch.optim.Adam(module.parameters(), lr=0.1)
+    module(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    return ([p.detach().clone() for p in module.parameters()],
+            {k: v["exp_avg"].clone() for k, v in opt.state_dict()["state"].items()})
+
+
+def test_replicas_proven_equal_move_no_parameters_or_optimizer_state():
+    """Survivors of a per-step algorithm hold bit-identical state: the rebuild broadcasts
+    neither the source's parameters nor (with_bagua's) rank 0's parameters and optimizer
+    state, and skips with_bagua's configuration check (compared by digest): one broadcast
+    remains, the algorithm's shared state from the source.  The old rebuild broadcast the
+    parameters twice and made 3 object broadcasts."""
+    from bagua_comm.testing import run_ranks
+
+    params, moments = _reference()
+    out = run_ranks(_rebuild, 2, args=("same",))
+    for counts, got_params, got_moments in out:
+        assert counts["broadcast"] == 0, counts
+        assert counts["broadcast_object"] == 1, counts
+        assert counts["allreduce_inplace"] == 0, counts
+        # the secret's nonces and tags, then the source choice with the digests
+        assert counts["allgather"] == 3, counts
+        assert all(torch.equal(a, b) for a, b in zip(got_params, params))
+        assert all(torch.equal(got_moments[k], moments[k]) for k in moments)
+
+
+@pytest.mark.parametrize("case", ["params", "optimizer"])
+def test_replicas_that_differ_still_take_the_source_state(case):
+    """Rank 1's parameters (or Adam moments) differ: every replica ends with the source's
+    (rank 0's) parameters and rank 0's optimizer state, as before the digests."""
+    from bagua_comm.testing import run_ranks
+
+    params, moments = _reference()
+    out = run_ranks(_rebuild, 2, args=(case,))
+    for counts, got_params, got_moments in out:
+        assert counts["broadcast"] >= 1, counts
+        assert all(torch.equal(a, b) for a, b in zip(got_params, params))
+        assert all(torch.equal(got_moments[k], moments[k]) for k in moments)
