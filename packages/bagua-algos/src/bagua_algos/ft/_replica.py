@@ -164,6 +164,22 @@ class Step:
         return True
 
 
+def _digests(module, optimizer, algorithm, wrap: dict, size: int) -> tuple[bytes, bytes]:
+    """This replica's digests of its wrap configuration and of its state (parameters,
+    buffers, optimizer), for the source choice's allgather (empty alone).
+
+    torch's Optimizer.load_state_dict (here when healing, in a rebuild's share on the
+    replicas behind) adds keys to the optimizer's defaults ("differentiable") through
+    __setstate__; a replica whose optimizer was never loaded lacks them, and QAdam's
+    description in the wrap's configuration includes its optimizer: every replica takes
+    torch's own normalisation before the digests and each wrap."""
+    optimizer.__setstate__(optimizer.__getstate__())
+    if size <= 1:
+        return b"", b""
+    return (digest(_wrap_configuration(module, [optimizer], algorithm, **wrap)),
+            state_digest(module, optimizer, _STATE_KEY))
+
+
 class FaultTolerant:
     """Train ``model`` with ``algorithm`` on a changing set of replicas, restart-free.
 
@@ -431,18 +447,10 @@ class FaultTolerant:
         self._group = bagua_group(self._pg)
         authenticate(self._group, self._secret)     # before anything else goes through it
         survivor = healed is None and self._generation > 0 and self.data is not None
-        # torch's Optimizer.load_state_dict (here when healing, in a rebuild's share on the
-        # replicas behind) adds keys to the optimizer's defaults ("differentiable") through
-        # __setstate__; a replica whose optimizer was never loaded lacks them, and QAdam's
-        # description in the wrap's configuration includes its optimizer: every replica
-        # takes torch's own normalisation before the digests and each wrap
-        self.optimizer.__setstate__(self.optimizer.__getstate__())
-        config = digest(_wrap_configuration(self._module, [self.optimizer], self.algorithm,
-                                            **self._wrap)) if size > 1 else b""
         src, agreed, old_ranks, same_config, same_state = agree(
             self._group, self.manager.current_step(), self.manager.errored() is None,
-            self.data.sampler.rank if survivor else -1, config,
-            state_digest(self._module, self.optimizer, _STATE_KEY) if size > 1 else b"")
+            self.data.sampler.rank if survivor else -1,
+            *_digests(self._module, self.optimizer, self.algorithm, self._wrap, size))
         if survivor:       # every replica goes on from the source's parameters
             data_state = self.data.give_back(old_ranks[src])
         shared = share(self._group, src, self._module, {
@@ -462,9 +470,8 @@ class FaultTolerant:
                     size, rank):
                 own = shared["bagua"]
         self.optimizer.__setstate__(self.optimizer.__getstate__())
-        # every replica now holds the source's parameters (shared, or proven equal) and, when
-        # not all were up to date or all states are equal, the same optimizer state: the
-        # wrap's check and broadcast from rank 0 would move equal values
+        # every replica holds the source's parameters and (all states equal, or not all up to
+        # date) optimizer state: the wrap's check and broadcast would move equal values
         in_sync = same_config and (same_state or not agreed)
         with _quiet("bagua_algos"):
             self.model = _wrap(self._module, [self.optimizer], self.algorithm,
