@@ -203,3 +203,38 @@ def test_state_of_another_algorithm_restores_the_step_counter_with_a_warning(con
     step, messages = contract[0]["switched_load"]
     assert step == 7
     assert any("only the step counter is restored" in m for m in messages)
+
+
+def _wrap_traffic(differ):
+    """Bytes with_bagua broadcast at the wrap, for ranks seeded alike, except ``differ``:
+    one buffer element or one optimizer moment on rank 1."""
+    rank = bc.get_rank()
+    model = make_model(seed=1)
+    model.register_buffer("counter", torch.zeros(3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loss_fn(model, *batch(99, 0)).backward()     # the same optimizer state on every rank
+    opt.step()
+    if rank == 1 and differ == "buffer":
+        model.counter[1] = 1.0
+    if rank == 1 and differ == "optimizer":
+        opt.state[next(iter(model.parameters()))]["exp_avg"].view(-1)[0] += 1e-7
+    bc.traffic.reset()
+    wrapped = with_bagua(model, [opt], GradientAllReduce())
+    sent = bc.traffic.by_primitive()
+    state = [model.counter.clone()] + [opt.state[p]["exp_avg"].clone()
+                                       for p in wrapped.parameters()]
+    return sent.get("broadcast", 0) + sent.get("broadcast_object", 0), sent, state
+
+
+@pytest.mark.parametrize("differ", [None, "buffer", "optimizer"])
+def test_the_wrap_broadcasts_only_when_the_ranks_differ(differ):
+    """Ranks that already hold the same parameters, buffers and optimizer state (seeded
+    alike) get nothing broadcast: one allgather of digests proves it; one differing element
+    anywhere and rank 0's state is broadcast, as before."""
+    (b0, sent0, s0), (b1, _, s1) = run_ranks(_wrap_traffic, 2, args=(differ,))
+    assert all(torch.equal(x, y) for x, y in zip(s0, s1))
+    if differ is None:
+        assert b0 == b1 == 0, sent0
+        assert sent0.get("allgather", 0) > 0
+    else:
+        assert b0 > 0 and b1 == 0, sent0

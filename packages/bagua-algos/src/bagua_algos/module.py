@@ -35,7 +35,9 @@ def with_bagua(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | Non
                broadcast_buffers: bool = True) -> BaguaModule:
     """Wrap ``model`` for data-parallel training with ``algorithm``.
 
-    Every rank ends up with rank 0's parameters, buffers and optimizer state.  Gradients (or
+    Every rank ends up with rank 0's parameters, buffers and optimizer state (on gloo, ranks
+    that already hold equal ones, as when seeded alike, are proven so by one allgather of
+    digests and nothing is broadcast).  Gradients (or
     weights) are grouped into buckets of ``bucket_size`` bytes (default 10 MiB) per dtype, in
     reverse registration order; with ``do_flatten`` the gradients become views of the bucket
     buffers.  Each bucket's communication starts as soon as its last gradient is accumulated
@@ -174,7 +176,9 @@ class BaguaModule(torch.nn.Module):
         self.group = group
         self.do_flatten = do_flatten
         self.ctx = BaguaContext(_uncompiled(module), optimizers, group)
-        synced = group.size > 1 and broadcast_state
+        # rank 0's parameters, buffers and optimizer state, unless every rank holds them
+        synced = (group.size > 1 and broadcast_state
+                  and not _consistency.already_equal(module, optimizers, group))
         if synced:
             broadcast_tensors(list(module.parameters()) + list(module.buffers()), group)
         for opt in optimizers if synced else ():

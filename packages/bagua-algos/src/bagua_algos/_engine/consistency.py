@@ -11,6 +11,7 @@ which fields differ somewhere, so all ranks raise the same ``ValueError`` togeth
 from __future__ import annotations
 
 import hashlib
+import os
 
 import torch
 
@@ -66,6 +67,54 @@ def configuration(model, optimizers, algorithm, settings: dict) -> dict[str, str
     }
     out.update({k: describe(v) for k, v in settings.items()})
     return out
+
+
+#: bytes of a :func:`digest`: two int64 in an allgather
+DIGEST_BYTES = 16
+
+
+def digest(*parts) -> bytes:
+    """A digest of ``parts``: tensors (dtype, shape, bytes) and plain data (``repr``), nested
+    in dicts, lists and tuples.  A tensor off the CPU is not copied to the host for it (nor a
+    sparse one read): the digest is then a random one, unequal to any other (its state is
+    broadcast as before)."""
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+
+    def feed(x) -> bool:
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "cpu" or x.layout != torch.strided:
+                return False
+            t = x.detach().contiguous().reshape(-1)
+            h.update(f"T{t.dtype}{tuple(x.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().data)
+        elif isinstance(x, dict):
+            h.update(f"D{len(x)}".encode())
+            return all(feed(k) and feed(v) for k, v in x.items())
+        elif isinstance(x, (list, tuple)):
+            h.update(f"L{len(x)}".encode())
+            return all(feed(v) for v in x)
+        else:
+            h.update(f"{type(x).__name__}:{x!r};".encode())
+        return True
+
+    return h.digest() if feed(parts) else os.urandom(DIGEST_BYTES)
+
+
+def already_equal(module: torch.nn.Module, optimizers, group: bc.ProcessGroup) -> bool:
+    """Whether every rank of ``group`` already holds the same parameters, buffers and
+    optimizer state (one allgather of each rank's :func:`digest`): with_bagua's broadcast of
+    rank 0's would then move equal values (ranks seeded alike, the usual start), seconds on
+    a slow link.  Gloo groups only, whose tensors are on the CPU; an NCCL group answers
+    False without communicating (a digest of device memory would copy it to the host)."""
+    if group.size == 1 or group.backend != "gloo":
+        return False
+    mine = digest(list(module.parameters()), list(module.buffers()),
+                  [opt.state_dict() for opt in optimizers])
+    words = torch.tensor([int.from_bytes(mine[i:i + 8], "little", signed=True)
+                          for i in range(0, DIGEST_BYTES, 8)], dtype=torch.int64)
+    every = torch.empty(words.numel() * group.size, dtype=torch.int64)
+    bc.allgather(words, every, group=group)
+    return bool((every.view(group.size, -1) == words).all())
 
 
 def check_same_on_every_rank(config: dict[str, str], group: bc.ProcessGroup) -> None:

@@ -29,6 +29,8 @@ import torch
 import bagua_comm as bc
 
 from .._engine.comm import broadcast_tensors
+from .._engine.consistency import DIGEST_BYTES as _DIGEST
+from .._engine.consistency import digest
 
 
 def authenticate(group: bc.ProcessGroup, secret: bytes) -> None:
@@ -67,36 +69,6 @@ class Agreement(NamedTuple):
     old_ranks: list[int]     # every member's rank in the group before (-1: it joins)
     same_config: bool        # every replica's wrap configuration has the same digest
     same_state: bool         # every replica's parameters, buffers, optimizer state too
-
-
-_DIGEST = 16        # bytes of each digest: two int64 in the allgather
-
-
-def digest(*parts) -> bytes:
-    """A digest of ``parts``: tensors (dtype, shape, bytes) and plain data (``repr``), nested
-    in dicts, lists and tuples.  A tensor off the CPU is not copied to the host for it (nor a
-    sparse one read): the digest is then a random one, unequal to any other (its state is
-    broadcast as before)."""
-    h = hashlib.blake2b(digest_size=_DIGEST)
-
-    def feed(x) -> bool:
-        if isinstance(x, torch.Tensor):
-            if x.device.type != "cpu" or x.layout != torch.strided:
-                return False
-            t = x.detach().contiguous().reshape(-1)
-            h.update(f"T{t.dtype}{tuple(x.shape)}".encode())
-            h.update(t.view(torch.uint8).numpy().data)
-        elif isinstance(x, dict):
-            h.update(f"D{len(x)}".encode())
-            return all(feed(k) and feed(v) for k, v in x.items())
-        elif isinstance(x, (list, tuple)):
-            h.update(f"L{len(x)}".encode())
-            return all(feed(v) for v in x)
-        else:
-            h.update(f"{type(x).__name__}:{x!r};".encode())
-        return True
-
-    return h.digest() if feed(parts) else os.urandom(_DIGEST)
 
 
 def state_digest(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
