@@ -100,6 +100,14 @@ def digest(*parts) -> bytes:
     return h.digest() if feed(parts) else os.urandom(DIGEST_BYTES)
 
 
+def digest_words(d: bytes) -> list[int]:
+    """A :func:`digest` as two int64 words, for an allgather (anything else, an unknown
+    digest, as two random words: unequal to every other)."""
+    if len(d) != DIGEST_BYTES:
+        d = os.urandom(DIGEST_BYTES)
+    return [int.from_bytes(d[i:i + 8], "little", signed=True) for i in range(0, DIGEST_BYTES, 8)]
+
+
 def already_equal(module: torch.nn.Module, optimizers, group: bc.ProcessGroup) -> bool:
     """Whether every rank of ``group`` already holds the same parameters, buffers and
     optimizer state (one allgather of each rank's :func:`digest`): with_bagua's broadcast of
@@ -110,8 +118,7 @@ def already_equal(module: torch.nn.Module, optimizers, group: bc.ProcessGroup) -
         return False
     mine = digest(list(module.parameters()), list(module.buffers()),
                   [opt.state_dict() for opt in optimizers])
-    words = torch.tensor([int.from_bytes(mine[i:i + 8], "little", signed=True)
-                          for i in range(0, DIGEST_BYTES, 8)], dtype=torch.int64)
+    words = torch.tensor(digest_words(mine), dtype=torch.int64)
     every = torch.empty(words.numel() * group.size, dtype=torch.int64)
     bc.allgather(words, every, group=group)
     return bool((every.view(group.size, -1) == words).all())

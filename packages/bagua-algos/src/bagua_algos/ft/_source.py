@@ -29,8 +29,7 @@ import torch
 import bagua_comm as bc
 
 from .._engine.comm import broadcast_tensors
-from .._engine.consistency import DIGEST_BYTES as _DIGEST
-from .._engine.consistency import digest
+from .._engine.consistency import digest, digest_words
 
 
 def authenticate(group: bc.ProcessGroup, secret: bytes) -> None:
@@ -92,9 +91,7 @@ def agree(group: bc.ProcessGroup, step: int, ok: bool, old_rank: int = -1,
     another's), lowest rank first."""
     if group.size == 1:
         return Agreement(0, True, [old_rank], True, True)
-    known = [int.from_bytes(d[i:i + 8], "little", signed=True) if len(d) == _DIGEST
-             else int.from_bytes(os.urandom(8), "little", signed=True)
-             for d in (config, state) for i in (0, 8)]
+    known = digest_words(config) + digest_words(state)
     mine = torch.tensor([step, int(ok), old_rank, *known], dtype=torch.int64)
     every = torch.empty(mine.numel() * group.size, dtype=torch.int64)
     bc.allgather(mine, every, group=group)
