@@ -325,20 +325,24 @@ def test_diloco_sweep_rows_run_their_own_h_and_send_one_model_per_h_steps(tmp_pa
 
 def test_sync_rows_use_recommends_rule_and_a_compressed_row_counts_its_own_bytes():
     """The DiLoCo rows' H comes from the function ``recommend`` uses (one rule, so the auto
-    row and the DiLoCo row agree), capped by the row's budget in steps; a 4-bit row's sync
-    costs an eighth of the allreduce, so its H is an eighth (rounded up) of float32's."""
-    from _e2e_rows import DEFAULT_ROWS, OUTER_BYTES, planned_steps, sync_every_for
+    row and the DiLoCo row agree), told the run's length in steps; a 4-bit row's sync costs an
+    eighth of the allreduce."""
+    from _e2e_rows import DEFAULT_ROWS, OUTER_BYTES, sync_every_for
 
-    from bagua_algos.tuning.recommend import diloco_sync_every
+    from bagua_algos.tuning.recommend import diloco_plan, diloco_sync_every
 
-    # 4 hosts at 100 Mbit/s, base model: DDP 1.954 s a step, 0.24 s of it compute, 45 s budget
-    ddp_step, compute, budget = 1.954, 0.24, 45.0
-    h = sync_every_for(ddp_step, compute, budget)
-    assert h == diloco_sync_every(ddp_step - compute, compute,
-                                  total_steps=planned_steps(budget, compute))
-    assert h == min(math.ceil((ddp_step - compute) / (0.1 * compute)), int(budget / compute) // 8)
-    u4 = sync_every_for(ddp_step, compute, budget, bytes_scale=OUTER_BYTES["diloco_u4"])
-    assert u4 == math.ceil((ddp_step - compute) / 8 / (0.1 * compute)) == 9 < h
+    # 4 hosts at 10 Mbit/s, small model: DDP 7.4 s a step, 0.1 s of it compute; a run to
+    # DDP's loss after 80 steps
+    ddp_step, compute, n = 7.4, 0.1, 80
+    h = sync_every_for(ddp_step, compute, n)
+    assert h == diloco_sync_every(ddp_step - compute, compute, total_steps=n)
+    u4 = sync_every_for(ddp_step, compute, n, bytes_scale=OUTER_BYTES["diloco_u4"])
+    assert u4 == diloco_plan((ddp_step - compute) / 8, compute, n).sync_every
+    # an eighth of the sync's cost: more syncs (shorter periods) pay off
+    assert u4 <= h
+    # the length unknown: the 10%-overhead rule
+    assert sync_every_for(ddp_step, compute, None, bytes_scale=1 / 8) == math.ceil(
+        (ddp_step - compute) / 8 / (0.1 * compute))
     assert "diloco_u4" in DEFAULT_ROWS and "diloco_u8" not in DEFAULT_ROWS
 
 

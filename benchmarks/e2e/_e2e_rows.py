@@ -159,33 +159,25 @@ def bagua_spec(row: str, procs_per_host: int, *, warmup: int = 2,
     return name, kwargs
 
 
-def sync_every_for(ddp_step_s: float, compute_s: float, budget_s: float, *,
-                   overhead: float = 0.1, min_syncs: int = 8, bytes_scale: float = 1.0) -> int:
+def sync_every_for(ddp_step_s: float, compute_s: float, total_steps: int | None, *,
+                   overhead: float = 0.1, bytes_scale: float = 1.0) -> int:
     """``sync_every`` for the workload, by the rule ``recommend`` uses
     (``bagua_algos.tuning.recommend.diloco_sync_every``): one sync costs about what DDP's allreduce
     costs in a step (``ddp_step_s - compute_s``: the same bytes, once; ``bytes_scale`` of it
-    for a compressed outer gradient); spread over H local steps it should add at most
-    ``overhead`` (10%) to their compute, so H >= comm / (overhead x compute), capped so that
-    the row's time budget (``budget_s / compute_s`` steps) holds at least ``min_syncs``
-    syncs, within [2, 512]."""
+    for a compressed outer gradient).  ``total_steps``: the run's length as a user plans it,
+    DDP's steps to the deepest target (the ``auto`` row tells ``recommend`` the same); the
+    rule plans the H that reaches that loss soonest (``diloco_plan``).  None: the length is
+    unknown, and H is the one whose sync adds ``overhead`` (10%) to its compute."""
     from bagua_algos.tuning.recommend import diloco_sync_every
 
     comm = max(0.0, ddp_step_s - compute_s) * bytes_scale
-    return diloco_sync_every(comm, compute_s, overhead,
-                             total_steps=planned_steps(budget_s, compute_s),
-                             min_syncs=min_syncs)
+    return diloco_sync_every(comm, compute_s, overhead, total_steps=total_steps)
 
 
 def jsonable(kwargs: dict) -> dict:
     """An algorithm's keyword arguments for the JSON report: objects (a compressor) by repr."""
     return {k: v if v is None or isinstance(v, (bool, int, float, str)) else repr(v)
             for k, v in kwargs.items()}
-
-
-def planned_steps(budget_s: float, compute_s: float) -> int:
-    """The steps a row's time budget holds at ``compute_s`` a step (what ``recommend``'s
-    ``total_steps`` is told in the ``auto`` row: the run length a user would know)."""
-    return max(1, int(budget_s / max(compute_s, 1e-6)))
 
 
 def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2, warmup: int = 2,

@@ -46,7 +46,6 @@ from _e2e_rows import (
     bagua_spec,
     build_torch,
     jsonable,
-    planned_steps,
     powersgd_start,
     split_row,
     sync_every_for,
@@ -93,8 +92,7 @@ def _build(name: str, model, args, harness):
         # times a step): then communicating rarely (DiLoCo) is a candidate too
         # and the run's length in steps (as the DiLoCo rows' rule is told it: the same cap on H)
         rec = bagua_algos.recommend(model, compute_s=args.row_compute_s,
-                                    total_steps=planned_steps(args.row_budget_s,
-                                                              args.row_compute_s))
+                                    total_steps=_deepest(args))
         probe_s = time.perf_counter() - t0
         wrapped = bagua_algos.with_bagua(model, [opt], rec.algorithm,
                                          bucket_size=rec.bucket_size)
@@ -134,28 +132,21 @@ def _build(name: str, model, args, harness):
     return bagua_algos.with_bagua(model, [opt], algo), opt
 
 
-def _choose_sync_every(args, slowest_compute_s: float, budget_s: float | None, *,
-                       bytes_scale: float = 1.0) -> int:
+def _choose_sync_every(args, slowest_compute_s: float, *, bytes_scale: float = 1.0) -> int:
     """``--sync-every`` if given, else ``sync_every_for`` DDP's step time in this job (or
-    ``--ddp-seconds``) and the slowest rank's compute time: the same on every rank.
+    ``--ddp-seconds``), the slowest rank's compute time and the run's length (DDP's steps to
+    the deepest target, as the ``auto`` row tells ``recommend``): the same on every rank.
     ``bytes_scale``: the row's outer-gradient bytes as a fraction of float32's (a 4-bit row
-    pays 1/8 of the allreduce per sync, so the rule gives it an H about 8x smaller)."""
+    pays 1/8 of the allreduce per sync)."""
     if args.sync_every:
         return args.sync_every
-    return sync_every_for(_ddp_step(args), slowest_compute_s, _row_budget(args, budget_s),
+    return sync_every_for(_ddp_step(args), slowest_compute_s, _deepest(args),
                           bytes_scale=bytes_scale)
 
 
 def _ddp_step(args) -> float:
     """DDP's step time in this job (or from ``--ddp-seconds``); 0 before DDP's row ran."""
     return args.ddp_step_s or (args.ddp_seconds / args.steps if args.ddp_seconds else 0.0)
-
-
-def _row_budget(args, budget_s: float | None) -> float:
-    """A row's training time budget (seconds), as the rows after DDP's will be given it."""
-    budget = budget_s or args.budget_factor * _ddp_step(args) * _deepest(args) \
-        or args.wall_seconds
-    return max(budget, args.wall_seconds)
 
 
 def _compute_time(model, batches, steps: int = 5) -> float:
@@ -272,13 +263,12 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
     slowest = torch.tensor([compute_s], dtype=torch.float64)   # the same on every rank
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=harness)
     args.row_compute_s = float(slowest)
-    args.row_budget_s = _row_budget(args, budget_s)
     if split_row(name)[0] in SYNC_ROWS:
         if name == "ft_diloco" and "diloco" in args.sync_every_of:
             args.chosen_sync_every = args.sync_every_of["diloco"]   # the peer: the same H
         else:   # the rule's H once per job (a sweep row scales it, or fixes its own)
             if args.rule_inputs is None:
-                args.rule_inputs = (args.row_compute_s, budget_s)
+                args.rule_inputs = (args.row_compute_s,)
             # fp32's H is the sweep's reference (an "@" row scales or fixes it); a compressed
             # row of its own counts its own bytes
             scale = OUTER_BYTES.get(name, 1.0)
@@ -499,7 +489,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.depth_steps = [int(x) for x in args.depth_steps.split(",") if x.strip()]
     args.ddp_step_s, args.chosen_sync_every, args.sync_every_of = 0.0, None, {}
-    args.rule_inputs = None   # (compute, budget) of the first sync row: its rule's inputs
+    args.rule_inputs = None   # (compute,) of the first sync row: its rule's input
     args.auto_choice = None
     if args.full_budget:
         args.stop_loss = None

@@ -26,7 +26,6 @@ import _results
 
 # isort: split
 from _e2e_report import cell, cell_label, cells
-from _e2e_rows import planned_steps
 
 #: The default grid.  The fastest column is 300 Mbit/s, not 1 Gbit/s: the user-space delay line
 #: carries ~0.6 Gbit/s in all on 2 cores and fell behind in every 1 Gbit/s cell with latency
@@ -40,7 +39,7 @@ AUTO_ROW = {"decentralized": "decentralized_shift_one"}  # the rule's pick -> e2
 def auto_pick(bw, lat, world: int, model_bytes: float, compute_s: float,
               total_steps: int | None = None) -> str | None:
     """The e2e row the automatic choice runs in a cell (None: bagua_algos not importable);
-    ``total_steps``: the rows' budget in steps, as the ``auto`` row tells ``recommend``."""
+    ``total_steps``: DDP's steps to the deepest target, as the ``auto`` row tells ``recommend``."""
     try:
         from bagua_algos.tuning.recommend import choose
     except ImportError:
@@ -63,15 +62,16 @@ def _steps_to(run: dict, ddp_steps: int | None, headline: str | None = None,
     return None if step is None else round(step / ddp_steps, 3)
 
 
-def _auto_time(runs, times, c, ddp, params) -> tuple[str | None, float | None]:
+def _auto_time(runs, times, c, ddp, params,
+               targets=None) -> tuple[str | None, float | None]:
     """What the automatic choice picks in cell ``c`` and its time to DDP's loss: the
     ``auto`` row's own run where the cell has one (with_bagua(..., "auto"), its measurement
     and bucket size included), else the row of the rule's pick for the cell's network."""
     row = next((r for r in runs if r["algorithm"] == "auto" and r["status"] == "ok"), None)
     if row is not None:
         return (row.get("auto_choice") or {}).get("algorithm"), times.get("auto")
-    steps = (planned_steps(ddp["budget_s"], ddp["compute_s"])
-             if ddp.get("budget_s") and ddp.get("compute_s") else None)
+    # the run's length as the auto row tells recommend: DDP's steps to the deepest target
+    steps = max([t["ddp_steps"] for t in targets or []] or [ddp.get("steps") or 0]) or None
     pick = auto_pick(c[0], c[1], ddp["world_size"], 4 * params, ddp["compute_s"], steps)
     # GradientAllReduce is DDP's maths bit for bit: DDP's time stands in where the cell has
     # no row of its own
@@ -122,7 +122,8 @@ def build_map(report: dict, exclude=()) -> list[dict]:
             if times.get("alone"):
                 entry["alone_vs_best"] = times["alone"] / reached[0][0]
         if ddp is not None:
-            entry["auto"], t = _auto_time(runs, times, c, ddp, params)
+            entry["auto"], t = _auto_time(runs, times, c, ddp, params,
+                                            report.get("targets"))
             if entry["auto"] in exclude:
                 entry["auto"], t = None, None    # a map without the rule's pick: no score
             entry["auto_vs_best"] = t / reached[0][0] if t and reached else None

@@ -52,13 +52,20 @@ log = logging.getLogger("bagua_algos.recommend")
 STEPS_FACTOR = {"gradient_allreduce": 1.0, "bytegrad": 1.05, "decentralized": 1.25,
                 "low_precision_decentralized": 1.4}
 #: DiLoCo's extra steps grow with log H (its ranks step on their own share of the batch, and
-#: averaging every H steps recovers part of it).  Measured on 4 ranks: 1.2-1.6x DDP's steps
-#: at H=3-11 on the map's 10-step cells (small model), 2.5x at H=7 and 3.5x at H=33 on the
-#: main job's 30-step run (base model): 1 + b ln H with b 0.15-0.25 and 0.7-0.75; 0.4 between.
-#: At depth, with :data:`DILOCO_OUTER_MOMENTUM` (the main job on 4 ranks over loopback, small
-#: model, H = 2-16): to DDP's loss after 40 steps b = 0.18-0.9 (1.4-2x DDP's steps), after
-#: 60 steps b = 0.08-0.24 (1.17-1.33x): the factor depends on the target's depth; 0.4 stays.
-DILOCO_STEPS_PER_LOG_H = 0.4
+#: averaging every H steps recovers part of it): 1 + b ln H.  Re-derived at depth from the
+#: trade-off map's 4-host cells (small model, 4-bit outer gradient, outer momentum 0.5, to DDP's
+#: loss after 80 steps, a target training alone never reaches): 110 steps at H=11 (b 0.16),
+#: 130 at H=65 (0.15), 200 at H=100 (0.16, 2 syncs; one sync at step 100 reached DDP's loss
+#: after ~60 steps: 0.15).  The target is reached at a sync, so a run of H-step periods takes
+#: whole periods (:func:`diloco_plan`).  The earlier 0.4 came from 10-30-step targets, where
+#: the rows were still in their first sync period.
+DILOCO_STEPS_PER_LOG_H = 0.16
+#: Syncs a planned run holds at least: on the map no run reached a deep target with one (the
+#: anchor's outer step then acts once), two sufficed at H=65 and H=100
+DILOCO_MIN_SYNCS = 2
+#: Headroom on the predicted steps: the target is reached only at a sync, so a plan whose
+#: last sync falls just short of ``factor x total_steps`` costs a whole extra period
+DILOCO_PLAN_MARGIN = 1.1
 #: The outer momentum recommend's DiLoCo runs with (outer_lr stays 0.7): a steady outer
 #: gradient moves the anchor 0.7 / (1 - 0.5) = 1.4x per sync instead of 7x at 0.9.  At depth
 #: (the runs above) 0.9 never reached DDP's loss after 40 steps at H = 2 and 4 (its loss
@@ -76,17 +83,55 @@ def diloco_steps_factor(sync_every: int) -> float:
     return 1.0 + DILOCO_STEPS_PER_LOG_H * math.log(max(1, sync_every))
 
 
+@dataclass(frozen=True)
+class DiLoCoPlan:
+    """A DiLoCo run planned to reach the loss DDP reaches after ``total_steps`` steps."""
+
+    sync_every: int   # H
+    steps: int        # optimizer steps the run is planned for: ``syncs x sync_every``
+    syncs: int
+    time_s: float     # predicted: ``steps x compute_s + syncs x sync_s``
+
+
+def diloco_plan(sync_s: float, compute_s: float, total_steps: int, *,
+                min_syncs: int = DILOCO_MIN_SYNCS,
+                margin: float = DILOCO_PLAN_MARGIN) -> DiLoCoPlan:
+    """The H that reaches DDP's loss after ``total_steps`` steps soonest, by the cost model
+    ``time = steps x compute_s + syncs x sync_s``: DiLoCo needs
+    ``margin x diloco_steps_factor(H) x total_steps`` steps, and reaches the target at a sync,
+    so with ``k`` syncs H is the smallest with ``k x H`` at least that.  Every ``k`` from
+    ``min_syncs`` up (H down to 2) is priced; the cheapest wins, ties (within 2%) to more
+    syncs, whose last period (the cost of a miss) is shorter.  H within [2, 512]."""
+    n = max(1, int(total_steps))
+    plans = []
+    for k in range(max(1, min_syncs), n + 1):
+        h = max(2, math.ceil(margin * n / k))
+        for _ in range(8):         # the factor grows with H: settle the fixed point
+            need = math.ceil(margin * n * diloco_steps_factor(h) / k)
+            if need <= h:
+                break
+            h = need
+        h = min(512, h)
+        plans.append(DiLoCoPlan(h, k * h, k, k * h * compute_s + k * max(0.0, sync_s)))
+        if h <= 2:
+            break
+    fastest = min(p.time_s for p in plans)
+    return max((p for p in plans if p.time_s <= 1.02 * fastest), key=lambda p: p.syncs)
+
+
 def diloco_sync_every(comm_s: float, compute_s: float, overhead: float = 0.1, *,
-                      total_steps: int | None = None, min_syncs: int = 8) -> int:
-    """DiLoCo's ``sync_every`` (H) for a step of ``compute_s`` whose full allreduce would take
-    ``comm_s``: one sync spread over H steps adds at most ``overhead`` (10%) of their compute,
-    H >= comm / (overhead x compute).  With ``total_steps`` (the run's planned optimizer
-    steps), H is capped so that the run holds at least ``min_syncs`` syncs (a run that never
-    syncs is ``world`` separate runs).  Within [2, 512].  The main job's DiLoCo rows use this
-    same rule (benchmarks/e2e/_e2e_rows.py), with the row's time budget as ``total_steps``."""
-    want = math.ceil(max(0.0, comm_s) / (overhead * max(compute_s, 1e-6)))
+                      total_steps: int | None = None,
+                      min_syncs: int = DILOCO_MIN_SYNCS) -> int:
+    """DiLoCo's ``sync_every`` (H) for a step of ``compute_s`` whose sync would take
+    ``comm_s``.  With ``total_steps`` (the run's planned optimizer steps: DDP's steps to the
+    loss the run aims at), the H of :func:`diloco_plan`: the fewest seconds to that loss.
+    Without it, the run's length is unknown: one sync spread over H steps adds at most
+    ``overhead`` (10%) of their compute, H >= comm / (overhead x compute).  Within [2, 512].
+    The main job's DiLoCo rows use this same rule (benchmarks/e2e/_e2e_rows.py), told DDP's
+    steps to the deepest target."""
     if total_steps is not None:
-        want = min(want, int(total_steps) // min_syncs)
+        return diloco_plan(comm_s, compute_s, total_steps, min_syncs=min_syncs).sync_every
+    want = math.ceil(max(0.0, comm_s) / (overhead * max(compute_s, 1e-6)))
     return int(min(512, max(2, want)))
 
 
@@ -211,8 +256,8 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
     bytes per step, ``compute_s`` a step's computation (0: unknown, communication only).
     With the computation known, DiLoCo (train locally, average every H steps) is a candidate
     too: its cost only makes sense against it (``with_bagua(..., "auto")`` does not know it;
-    ``recommend(model, compute_s=...)`` does); ``total_steps`` (the run's planned steps) caps
-    its H so that the run holds at least 8 syncs (:func:`diloco_sync_every`).
+    ``recommend(model, compute_s=...)`` does); ``total_steps`` (the run's planned steps: DDP's steps
+    to the loss it aims at) plans its H for that run (:func:`diloco_plan`).
     ``codec_s_per_byte`` (seconds per model byte for one compress + decompress, as
     :func:`measure_network` times it; None: :data:`CODEC_S_PER_BYTE`) prices the compressed
     algorithms' encoding.
@@ -255,9 +300,14 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
         # one 4-bit compressed allreduce of the model (its latency rounds, an eighth of the
         # bytes, the codec) every H steps
         sync = 2 * (n - 1) * lat + ring * DILOCO_OUTER_BYTES / bps + codec
-        h = diloco_sync_every(sync, compute_s, total_steps=total_steps)
-        comm["diloco"] = sync / h
-        factor["diloco"] = diloco_steps_factor(h)
+        if total_steps is None:
+            h = diloco_sync_every(sync, compute_s)
+            comm["diloco"], factor["diloco"] = sync / h, diloco_steps_factor(h)
+        else:     # the run's plan: whole sync periods, with the plan's headroom
+            plan = diloco_plan(sync, compute_s, total_steps)
+            h = plan.sync_every
+            comm["diloco"] = plan.syncs * sync / plan.steps
+            factor["diloco"] = plan.steps / total_steps
     scores = {a: (compute_s + c) * factor[a] for a, c in comm.items()}
     best = min(scores, key=scores.get)
     if (scores["gradient_allreduce"] <= (TIE if compute_s else TIE_UNKNOWN_COMPUTE) * scores[best]
