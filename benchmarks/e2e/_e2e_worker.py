@@ -263,12 +263,15 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
     slowest = torch.tensor([compute_s], dtype=torch.float64)   # the same on every rank
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=harness)
     args.row_compute_s = float(slowest)
+    if split_row(name)[0] in SYNC_ROWS or name == "auto":
+        # the step's compute as the first of these rows measured it: the workload's, one
+        # figure for the DiLoCo rows' rule and the auto row's recommend() alike
+        args.rule_inputs = args.rule_inputs or (args.row_compute_s,)
+        args.row_compute_s = args.rule_inputs[0]
     if split_row(name)[0] in SYNC_ROWS:
         if name == "ft_diloco" and "diloco" in args.sync_every_of:
             args.chosen_sync_every = args.sync_every_of["diloco"]   # the peer: the same H
         else:   # the rule's H once per job (a sweep row scales it, or fixes its own)
-            if args.rule_inputs is None:
-                args.rule_inputs = (args.row_compute_s,)
             # fp32's H is the sweep's reference (an "@" row scales or fixes it); a compressed
             # row of its own counts its own bytes
             scale = OUTER_BYTES.get(name, 1.0)
@@ -489,7 +492,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.depth_steps = [int(x) for x in args.depth_steps.split(",") if x.strip()]
     args.ddp_step_s, args.chosen_sync_every, args.sync_every_of = 0.0, None, {}
-    args.rule_inputs = None   # (compute,) of the first sync row: its rule's input
+    args.rule_inputs = None   # (compute,) of the first sync or auto row: the rule's input
     args.auto_choice = None
     if args.full_budget:
         args.stop_loss = None

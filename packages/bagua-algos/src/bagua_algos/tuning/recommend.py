@@ -151,6 +151,8 @@ _UINT8 = 4.0  # MinMaxUInt8 sends a quarter of float32's bytes
 #: themselves (``NetworkMeasurement.codec_s_per_byte``): processes sharing cores, or a slow
 #: CPU, pay several times this.
 CODEC_S_PER_BYTE = 1e-9
+#: Seconds of transfer (beyond the latency) that make a bandwidth probe readable
+PROBE_READ_S = 0.1
 #: float32 elements of the buffer measure_network compresses and decompresses (4 MiB)
 _CODEC_PROBE = 1 << 20
 
@@ -438,7 +440,9 @@ def measure_network(group=None, *, time_limit_s: float = 3.0,
         best, spent = _max([best, time.monotonic() - t0], group)
         probes.append((size, best))
         last = best
-        if best > 0.25 + latency:  # long enough to be read; the next would cost 4x
+        # long enough to be read (the next would cost 4x): its transfer at least 0.1 s and
+        # at least the latency it is corrected by (at 10 Mbit/s a 256 KiB probe, 0.2 s)
+        if best - latency > max(PROBE_READ_S, latency):
             break
         size *= 4
     size, t = probes[-1]
@@ -459,7 +463,8 @@ def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None
     broadcast).  Logs one line (logger ``bagua_algos.recommend``, and stderr on rank 0) with
     what it measured and why it chose.  ``compute_s`` (a step's forward, backward and
     optimizer step, seconds) makes DiLoCo a candidate; ``total_steps`` (the run's planned
-    optimizer steps) caps its ``sync_every`` so that the run holds at least 8 syncs.
+    optimizer steps: DDP's steps to the loss it aims at) plans its ``sync_every`` for that run
+    (:func:`diloco_plan`).
     ``BAGUA_ALGORITHM=<registry name>`` overrules it: no
     measurement, that algorithm.
     """
