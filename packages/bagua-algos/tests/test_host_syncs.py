@@ -60,3 +60,21 @@ def test_steady_state_steps_read_no_tensor_value_on_the_host(name):
     assert r0[0] == [] and r1[0] == [], (r0[0], r1[0])
     for a, b in zip(r0[1], r1[1]):
         assert torch.equal(a, b)
+
+
+def test_all_finite_is_exact_where_the_fast_two_norm_overflows():
+    """Reference: ``torch.isfinite`` of every element.  The 2-norm that decides the common case
+    overflows float32 from |x| ~1e19 up: such gradients are finite all the same."""
+    from bagua_algos._engine.overflow import all_finite
+
+    g = torch.Generator().manual_seed(0)
+    cases = [[torch.randn(1000, generator=g), torch.randn(7, 3, generator=g)],
+             [torch.full((4,), 1e30), torch.randn(10, generator=g)],      # 2-norm is inf
+             [torch.randn(10, generator=g), torch.tensor([1.0, float("inf")])],
+             [torch.tensor([float("nan"), 0.0]), torch.full((3,), 1e30)],
+             [torch.tensor([-float("inf")]), torch.zeros(0)],
+             [torch.zeros(0)], []]
+    for ts in cases:
+        want = all(bool(torch.isfinite(t).all()) for t in ts)
+        assert all_finite(ts) is want, ts
+    assert not torch.isfinite(torch.linalg.vector_norm(torch.full((4,), 1e30))).item()

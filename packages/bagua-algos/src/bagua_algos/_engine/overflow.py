@@ -27,7 +27,16 @@ def all_finite(tensors) -> bool:
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return True
-    norms = torch._foreach_norm(tensors, float("inf"))
+    # The 2-norm first: on CPU torch's inf-norm is ~25x slower (16 ms against 0.6 ms for the
+    # main job's 1.4M gradients, a fifth of its step).  A tensor holding inf or nan has a
+    # non-finite 2-norm; a finite one only overflows it from |x| ~1e19 up (float32), so only
+    # then does the exact inf-norm decide.
+    if _finite(torch._foreach_norm(tensors, 2.0)):
+        return True
+    return _finite(torch._foreach_norm(tensors, float("inf")))
+
+
+def _finite(norms) -> bool:
     dev = norms[0].device
     return bool(torch.stack([n.float().to(dev) for n in norms]).isfinite().all())
 
