@@ -21,8 +21,9 @@ def extensions():
                   depends=["src/bagua_comm/_minmax_simd.h"],
                   extra_compile_args=KERNEL_FLAGS),
         Extension("bagua_comm._launch", ["src/bagua_comm/_launch.pyx"]),
+        # the ring round's float arithmetic (``_ring_difference``) rounds as torch's ops do
         Extension("bagua_comm._worker", ["src/bagua_comm/_worker.pyx"],
-                  depends=["src/bagua_comm/_minmax.pxd"]),
+                  depends=["src/bagua_comm/_minmax.pxd"], extra_compile_args=KERNEL_FLAGS),
     ], language_level=3, include_path=["src"], compiler_directives={"boundscheck": False, "wraparound": False})
 
 

@@ -1,15 +1,17 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""A gloo group's worker thread, and the compressed allreduce it runs without Python.
+"""A gloo group's worker thread, and the compressed collectives it runs without Python.
 
 :class:`Worker` runs jobs one after another, in submission order (the same on every rank:
 multi-phase collectives stay matched across ranks), on one thread whose loop is compiled: a
-job is a Python callable (``GlooBackend.run``) or a :class:`CompressedJob`, whose ``run`` calls
-torch's process-group methods and the MinMaxUInt8 kernels (``_minmax.pxd``) directly.  Jobs are
+job is a Python callable (``GlooBackend.run``) or a compiled :class:`Job` (the compressed
+allreduce's :class:`CompressedJob`, LowPrecisionDecentralized's ring round
+:class:`RingJob`), whose ``run`` calls torch's process-group methods and the MinMaxUInt8
+kernels (``_minmax.pxd``) directly.  Jobs are
 handed over through a ``collections.deque`` and a ``_thread`` lock used as the worker's
 wake-up signal, and complete a :class:`Done` handle: all C, so a compiled job costs its
 submitter and the worker no Python frame.  Every decision that needs Python (argument checks,
 sizes, buffers, the torch option objects) was made when the job was built
-(``bagua_comm._compressed._job``).
+(``bagua_comm._compressed._job``, ``bagua_comm._ring``).
 """
 
 from collections import deque
@@ -111,7 +113,7 @@ cdef class Worker:
         _workers.add(self)
 
     cpdef Done submit(self, job, fut=None, value=None):
-        """Run ``job`` (a :class:`CompressedJob` or a no-argument callable) after those
+        """Run ``job`` (a compiled :class:`Job` or a no-argument callable) after those
         submitted before; then complete ``fut`` (a ``torch._C.Future``, if given) with
         ``value``, or with the job's exception, from the worker thread."""
         global _handed
@@ -145,8 +147,8 @@ cdef class Worker:
             item = None
             error = None
             try:
-                if type(job) is CompressedJob:
-                    (<CompressedJob>job).run()
+                if isinstance(job, Job):
+                    (<Job>job).run()
                 else:
                     done.value = job()
             except BaseException as err:        # handed to whoever waits
@@ -170,7 +172,14 @@ cdef class Worker:
             self.thread.join()
 
 
-cdef class CompressedJob:
+cdef class Job:
+    """A job the worker runs without a Python frame: its ``run`` is C."""
+
+    cpdef run(self):
+        pass
+
+
+cdef class CompressedJob(Job):
     """``compressed_allreduce(send, recv, op, MinMaxUInt8(n * k))`` on gloo CPU tensors, its four
     phases in one compiled call (see ``bagua_comm._compressed``): compress the (padded) input
     into ``n * k`` records, exchange rank ``j``'s ``k`` with it, decode-and-reduce the ``n``
@@ -285,27 +294,107 @@ cdef class CompressedJob:
                 memcpy(x, out, self.numel * 4)
 
 
+cdef void _ring_difference(const float* w, const float* left, const float* right,
+                           const float* x, float* d, Py_ssize_t live,
+                           Py_ssize_t n) noexcept nogil:
+    """``d = w + left/3 + right/3 - 5/3 x`` over ``live`` elements, zero after: the float32
+    operations of ``LowPrecisionDecentralizedImpl._ring_step`` (``div``, ``add_``, ``div``,
+    ``add_``, ``mul``, ``sub_``) in their order, each rounded as torch rounds it (this module
+    is built with ``-ffp-contract=off``: no fused multiply-add)."""
+    cdef Py_ssize_t i
+    cdef float three = 3.0
+    cdef float five_thirds = <float>(5.0 / 3.0)
+    for i in range(live):
+        d[i] = ((left[i] / three + w[i]) + right[i] / three) - x[i] * five_thirds
+    memset(d + live, 0, (n - live) * sizeof(float))
+
+
+cdef class RingJob(Job):
+    """One bucket's LowPrecisionDecentralized round on gloo CPU float32 tensors with
+    ``MinMaxUInt8(chunks)``: the difference ``d = w + l/3 + r/3 - 5/3 x`` compressed into
+    ``payload``, ``x += decode(payload)``, ``w = x``; ``payload`` sent to the ring neighbours
+    (one message when they are the same rank) while theirs are received; each replica
+    ``l``, ``r`` moved by the decoding of its owner's payload.  Bit for bit the Python path
+    (``_ring_step``).  Built by ``bagua_comm._ring``, which checked every size here."""
+
+    cdef object w, x, left, right, diff, payload, from_left, from_right
+    cdef list recvs, sends, recv_peers, send_peers
+    cdef object a_recv, a_send
+    cdef object lut
+    cdef const float* tab
+    cdef Py_ssize_t n, live, chunks, rec
+    cdef int kind
+    cdef bint two
+
+    def __init__(self, w, x, left, right, diff, payload, from_left, from_right,
+                 Py_ssize_t live, Py_ssize_t chunks, Py_ssize_t rec, int kind, lut,
+                 Py_ssize_t left_rank, Py_ssize_t right_rank, aux):
+        cdef const float[::1] table = lut
+        self.w, self.x, self.left, self.right, self.diff = w, x, left, right, diff
+        self.payload, self.from_left, self.from_right = payload, from_left, from_right
+        self.n, self.live, self.chunks, self.rec, self.kind = w.numel(), live, chunks, rec, kind
+        self.two = left_rank != right_rank
+        # receives first, then sends, in the order of the Python path's grouped exchange
+        self.recv_peers = [left_rank, right_rank] if self.two else [left_rank]
+        self.recvs = [[from_left], [from_right]] if self.two else [[from_left]]
+        self.send_peers = list(self.recv_peers)
+        self.sends = [[payload] for _ in self.send_peers]
+        self.a_recv, self.a_send = aux.recv, aux.send
+        self.lut = lut
+        self.tab = &table[0] if table.shape[0] else NULL
+
+    cpdef run(self):
+        cdef Py_ssize_t i, n = self.n, chunks = self.chunks, rec = self.rec
+        cdef int kind = self.kind
+        cdef const float* tab = self.tab
+        cdef float* w = <float*><Py_ssize_t>self.w.data_ptr()
+        cdef float* x = <float*><Py_ssize_t>self.x.data_ptr()
+        cdef float* left = <float*><Py_ssize_t>self.left.data_ptr()
+        cdef float* right = <float*><Py_ssize_t>self.right.data_ptr()
+        cdef float* d = <float*><Py_ssize_t>self.diff.data_ptr()
+        cdef uint8_t* payload = <uint8_t*><Py_ssize_t>self.payload.data_ptr()
+        cdef uint8_t* from_left = <uint8_t*><Py_ssize_t>self.from_left.data_ptr()
+        cdef uint8_t* from_right = <uint8_t*><Py_ssize_t>self.from_right.data_ptr()
+        with nogil:
+            _ring_difference(w, left, right, x, d, self.live, n)
+            _minmax.compress_any(d, n // chunks, kind, tab, chunks, payload, rec)
+            _minmax.decode_reduce_any(payload, rec, chunks, 1, kind, tab, x, n, 4)
+            memcpy(w, x, n * sizeof(float))
+        works = [self.a_recv(self.recvs[i], self.recv_peers[i], 0)
+                 for i in range(len(self.recvs))]
+        for i in range(len(self.sends)):
+            works.append(self.a_send(self.sends[i], self.send_peers[i], 0))
+        for work in works:
+            work.wait()
+        with nogil:
+            _minmax.decode_reduce_any(from_left, rec, chunks, 1, kind, tab, left, n, 4)
+            _minmax.decode_reduce_any(from_right, rec, chunks, 1, kind, tab, right, n, 4)
+
+
 cdef class CompressedLauncher:
-    """Call it to start the compressed allreduce its job was built for: the traffic is
-    recorded and the job handed to the group's worker; returns its :class:`Done`."""
+    """Call it to start the compiled job it was built for (a compressed allreduce, a ring
+    round): the traffic is recorded (as ``primitive``) and the job handed to the group's
+    worker; returns its :class:`Done`."""
 
     cdef Worker worker
-    cdef CompressedJob job
+    cdef Job job
     cdef object nbytes
+    cdef str primitive
 
-    def __init__(self, Worker worker, CompressedJob job, nbytes):
+    def __init__(self, Worker worker, Job job, nbytes, str primitive="compressed_allreduce"):
         self.worker = worker
         self.job = job
         self.nbytes = int(nbytes)
+        self.primitive = primitive
 
     def __call__(self):
         with traffic._lock:
-            traffic._bytes["compressed_allreduce"] += self.nbytes
+            traffic._bytes[self.primitive] += self.nbytes
         return self.worker.submit(self.job)
 
     def into_future(self, fut, value):
         """Start it, and have the worker complete the ``torch._C.Future`` ``fut`` with
         ``value`` when it is done (a DDP communication hook's future: no waiter thread)."""
         with traffic._lock:
-            traffic._bytes["compressed_allreduce"] += self.nbytes
+            traffic._bytes[self.primitive] += self.nbytes
         self.worker.submit(self.job, fut, value)

@@ -208,16 +208,17 @@ class GlooBackend(Backend):
         rank, which keeps multi-phase collectives matched across ranks)."""
         return finish([self.worker().submit(fn)], async_op=async_op)
 
-    def compressed_launcher(self, build, nbytes):
+    def compressed_launcher(self, build, nbytes, primitive="compressed_allreduce"):
         """A :class:`bagua_comm._worker.CompressedLauncher` of the job ``build()`` makes (on
-        the worker thread, where the scratch pool is used): each call hands the job to the
-        worker, in order with every :meth:`run`."""
+        the worker thread, where the scratch pool is used): each call records ``nbytes``
+        sent by ``primitive`` and hands the job to the worker, in order with every
+        :meth:`run`."""
         from .._worker import CompressedLauncher
 
         worker = self.worker()
         done = worker.submit(build)
         done.wait()
-        return CompressedLauncher(worker, done.value, nbytes)
+        return CompressedLauncher(worker, done.value, nbytes, primitive)
 
     def exchange(self, recv_rows, send_rows):
         """Every receive is posted before the first send, so each rank's "ready to receive"
