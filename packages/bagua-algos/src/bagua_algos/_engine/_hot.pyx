@@ -229,3 +229,41 @@ cdef class FoldThenStart:
             if grad_mode:
                 _set_grad_enabled(True)
         return self.start()
+
+
+# -- LowPrecisionDecentralized's round over the compiled ring jobs ----------------------------
+cdef class WeightRound:
+    """One round over a layout's buckets (``LowPrecisionDecentralizedImpl``'s compiled path):
+    per bucket, what ``gather_weights()`` does (a parameter that is no longer a view of its
+    slot of the flat weights is copied in), ``start()`` (the bucket's compiled ring job,
+    handed to the group's worker) waited for, then what ``scatter_weights()`` does; with
+    autograd off, as under ``torch.no_grad()``.  ``params[i]`` and ``views[i]`` are bucket
+    ``i``'s parameters and their slots, ``starts[i]`` its launcher."""
+
+    cdef list params, views, starts
+
+    def __init__(self, list params, list views, list starts):
+        self.params, self.views, self.starts = params, views, starts
+
+    def __call__(self):
+        cdef Py_ssize_t i
+        cdef bint grad_mode = _is_grad_enabled()
+        if grad_mode:
+            _set_grad_enabled(False)
+        try:
+            for i in range(len(self.starts)):
+                ps, vs = self.params[i], self.views[i]
+                for p, v in zip(ps, vs):
+                    if not _same_storage(p.data, v):
+                        v.copy_(p)
+                self.starts[i]().wait()
+                for p, v in zip(ps, vs):
+                    if not _same_storage(p.data, v):
+                        p.copy_(v)
+        finally:
+            if grad_mode:
+                _set_grad_enabled(True)
+
+
+cdef inline bint _same_storage(a, b):
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 
 import bagua_comm as bc
+from bagua_comm._ring import low_precision_ring_launcher
 
+from .._engine._hot import WeightRound
 from .._engine.checks import check_bool, check_interval
 from .._engine.comm import Reducer
 from .._engine.overflow import all_finite
@@ -90,6 +92,20 @@ class LowPrecisionDecentralizedState:
         return found
 
 
+def _payloads(st, i: int, distinct: bool):
+    """Bucket ``i``'s payload and the two receive buffers (one when both neighbours are the
+    same rank), made at the first round and reused: the compressed difference has
+    ``compressor.payload_numel(numel)`` bytes."""
+    if st.payload[i] is None:
+        diff = st.diff[i]
+        st.payload[i] = torch.empty(st.compressor.payload_numel(diff.numel()),
+                                    dtype=torch.uint8, device=diff.device)
+    if st.from_left[i] is None:
+        st.from_left[i] = torch.empty_like(st.payload[i])
+        st.from_right[i] = torch.empty_like(st.payload[i]) if distinct else st.from_left[i]
+    return st.payload[i], st.from_left[i], st.from_right[i]
+
+
 class LowPrecisionDecentralizedImpl(AlgorithmImpl):
     flatten_weights = True
     uses_grad_buckets = False
@@ -118,6 +134,7 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
     def init_operations(self, ctx, buckets):
         self.buckets = buckets
         self.state.build(buckets)
+        self._compiled_of = None      # new buffers: the compiled round is made again
 
     def forward_pre_hook(self, ctx):
         if self._owed is not None:     # not every optimizer stepped: the round runs now
@@ -157,18 +174,10 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         diff.sub_(q)
         if diff.numel() > bucket.numel:
             diff[bucket.numel:].zero_()
-        if st.payload[i] is None:
-            st.payload[i] = torch.empty(comp.payload_numel(diff.numel()), dtype=torch.uint8,
-                                        device=diff.device)
-        comp.compress(diff, key=bucket.name, out=st.payload[i])
-        payload = st.payload[i]
+        payload, from_left, from_right = _payloads(st, i, left_rank != right_rank)
+        comp.compress(diff, key=bucket.name, out=payload)
         decode_add(comp, payload, x, q)
         w.copy_(x)
-        if st.from_left[i] is None:
-            st.from_left[i] = torch.empty_like(payload)
-            st.from_right[i] = (torch.empty_like(payload) if left_rank != right_rank
-                                else st.from_left[i])
-        from_left, from_right = st.from_left[i], st.from_right[i]
         peers = {left_rank: from_left, right_rank: from_right}
         # One grouped exchange (see decentralized.exchange_shift_one).
         bc.batch_isend_irecv([bc.P2POp("recv", buf, peer) for peer, buf in peers.items()]
@@ -200,9 +209,47 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
     def _communicates(self, step: int) -> bool:
         return (step - 1) % self.interval == 0
 
+    def _compiled(self) -> WeightRound | None:
+        """The round as compiled ring jobs (``bagua_comm._ring``: MinMaxUInt8 on gloo CPU
+        float32, flat), made once per layout; None where a bucket takes the Python path."""
+        if self._compiled_of is self.buckets:
+            return self._compiled_round
+        self._compiled_of, self._compiled_round = self.buckets, None
+        g, st = self.ring, self.state
+        if self.reducer.hierarchical or g.size < 2:
+            return None
+        distinct = g.size > 2
+        starts = []
+        for i, b in enumerate(self.buckets):
+            w = b.gather_weights()
+            if w.dtype != torch.float32 or w.device.type != "cpu":
+                return None
+            payload, from_left, from_right = _payloads(st, i, distinct)
+            start = low_precision_ring_launcher(w, st.mine[i], st.left[i], st.right[i],
+                                                st.diff[i], payload, from_left, from_right,
+                                                b.numel, st.compressor, group=g)
+            if start is None:
+                return None
+            starts.append(start)
+        self._compiled_round = WeightRound([list(b.params) for b in self.buckets],
+                                           [b.weight_views() for b in self.buckets], starts)
+        return self._compiled_round
+
+    _compiled_of = _compiled_round = None
+
     def _round(self, step: int) -> None:
         self._owed, self._stepped = None, set()
         if not self._communicates(step):
+            return
+        compiled = self._compiled()
+        if compiled is not None:
+            if self._resync:
+                with torch.no_grad():
+                    for i in range(len(self.buckets)):
+                        self._resync_replicas(i)
+            compiled()
+            self._resync = False
+            self.state.rounds += 1
             return
         with torch.no_grad():
             for i, b in enumerate(self.buckets):
