@@ -139,8 +139,8 @@ def _rank_compressed(dims):
     for name in ("bytegrad", "qadam", "low_precision_decentralized"):
         model = _model(dims)
         opt = qadam(model) if name == "qadam" else sgd(model)
-        algo = {"bytegrad": ByteGrad, "qadam": lambda: QAdam(opt),
-                "low_precision_decentralized": LowPrecisionDecentralized}[name]()
+        algo = (QAdam(opt) if name == "qadam" else ByteGrad() if name == "bytegrad"
+                else LowPrecisionDecentralized())
         wrapped = with_bagua(model, [opt], algo, bucket_size=BUCKET)
         plain = plain_qadam if name == "qadam" else plain_sgd
         out[name] = (_calls(wrapped, opt, x, y) - plain, len(wrapped.buckets))

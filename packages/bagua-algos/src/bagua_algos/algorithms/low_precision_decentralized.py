@@ -8,7 +8,7 @@ import torch
 import bagua_comm as bc
 from bagua_comm._ring import low_precision_ring_launcher
 
-from .._engine._hot import WeightRound
+from .._engine import _hot
 from .._engine.checks import check_bool, check_interval
 from .._engine.comm import Reducer
 from .._engine.overflow import all_finite
@@ -209,7 +209,7 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
     def _communicates(self, step: int) -> bool:
         return (step - 1) % self.interval == 0
 
-    def _compiled(self) -> WeightRound | None:
+    def _compiled(self) -> _hot.WeightRound | None:
         """The round as compiled ring jobs (``bagua_comm._ring``: MinMaxUInt8 on gloo CPU
         float32, flat), made once per layout; None where a bucket takes the Python path."""
         if self._compiled_of is self.buckets:
@@ -231,7 +231,7 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
             if start is None:
                 return None
             starts.append(start)
-        self._compiled_round = WeightRound([list(b.params) for b in self.buckets],
+        self._compiled_round = _hot.WeightRound([list(b.params) for b in self.buckets],
                                            [b.weight_views() for b in self.buckets], starts)
         return self._compiled_round
 
