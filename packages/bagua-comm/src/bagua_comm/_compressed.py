@@ -79,24 +79,39 @@ def compressed_allreduce_launcher(send, recv, op=ReduceOp.AVG, compressor=None, 
                              group=g, async_op=True)
 
 
-def _compiled_launcher(g, send, recv, op, compressor, live):
+def _compiled_launcher(g, send, recv, op, compressor, live, tail=None):
     """The compiled launcher of checked arguments (``_checked``), or None where the call
-    takes the general path.  It zeroes ``send[live:]`` before each call (a bucket's
-    padding, which the previous call's result overwrote)."""
+    takes the general path (or cannot carry ``tail``).  It zeroes ``send[live:]`` before each
+    call (a bucket's padding, which the previous call's result overwrote)."""
     if not send.numel() or not _compiled(g, compressor, send):
         return None
+    if tail is not None and not _tail_fits(tail, op):
+        return None
     k, seg, sent = _sizes(compressor, send.numel(), g.size)
+    if tail is not None:
+        sent += tail.numel() * 4 * (g.size - 1)
     be = g.backend_for(send)
     return be.compressed_launcher(
-        lambda: _job(be, send, recv, op, compressor, k, seg, live), sent)
+        lambda: _job(be, send, recv, op, compressor, k, seg, live, tail), sent)
 
 
-def _inplace_launcher(tensor, op, compressor, group, live):
+def _inplace_launcher(tensor, op, compressor, group, live, tail=None):
     """The compiled launcher of ``compressed_allreduce(tensor, tensor, op, compressor,
     group=group)`` zeroing ``tensor[live:]`` before each call (bagua-algos' buckets, padded to
-    the compressor's alignment), or None where it would take the general path."""
+    the compressor's alignment), or None where it would take the general path.
+
+    ``tail`` (a float32 CPU tensor, op SUM or AVG): reduced exactly, uncompressed, in place,
+    in the same call (each rank's values ride at the end of its gathered row): bagua-algos'
+    "got a gradient" flags; None where they cannot ride."""
     g, send, recv, op, compressor = _checked(tensor, tensor, op, compressor, group)
-    return _compiled_launcher(g, send, recv, op, compressor, live)
+    return _compiled_launcher(g, send, recv, op, compressor, live, tail)
+
+
+def _tail_fits(tail, op) -> bool:
+    return (isinstance(tail, torch.Tensor) and tail.dtype == torch.float32
+            and tail.device.type == "cpu" and tail.dim() == 1 and tail.is_contiguous()
+            and tail.numel() > 0 and not tail.requires_grad
+            and op in (ReduceOp.SUM, ReduceOp.AVG))
 
 
 def _checked(send, recv, op, compressor, group):
@@ -185,7 +200,7 @@ def _compiled(g, compressor, send) -> bool:
             and send.device.type == "cpu" and g.backend_for(send).name == "gloo")
 
 
-def _job(be, send, recv, op, compressor, k, seg, live=None):
+def _job(be, send, recv, op, compressor, k, seg, live=None, tail=None):
     """The :class:`~bagua_comm._worker.CompressedJob` of a call: its buffers from the
     group's scratch pool (on the worker thread, as every use of the pool)."""
     from ._worker import CompressedJob
@@ -199,14 +214,15 @@ def _job(be, send, recv, op, compressor, k, seg, live=None):
     mine = be.scratch("mine", seg, torch.float32, dev)
     half = dtype is not torch.float32
     own_in = be.scratch("own_in", seg, dtype, dev) if half else None
-    own = be.scratch("own", k * rec, torch.uint8, dev)
-    gathered, gathered_rows = be.scratch_rows("gathered", n * k * rec, torch.uint8, dev, n)
+    row = k * rec + (tail.numel() * 4 if tail is not None else 0)   # + the exact tail
+    own = be.scratch("own", row, torch.uint8, dev)
+    gathered, gathered_rows = be.scratch_rows("gathered", n * row, torch.uint8, dev, n)
     dec = be.scratch("decoded", padded, torch.float32, dev) if half else None
     return CompressedJob(send.view(-1), recv.view(-1), pad, payload, received, mine, own_in,
                          own, gathered, dec, list(payload_rows), list(received_rows),
                          list(gathered_rows), be.aux, be.group.rank, k, rec,
                          *MinMaxUInt8._kernel_args(dtype), _OP_CODES[op],
-                         numel if live is None else live)
+                         numel if live is None else live, tail)
 
 
 def _run(be, send, recv, op, compressor, k, seg, key):

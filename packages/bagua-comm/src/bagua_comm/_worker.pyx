@@ -190,18 +190,19 @@ cdef class CompressedJob(Job):
     cdef object send, recv              # the caller's flat tensors
     cdef object padded                  # send's dtype, ``n * seg`` elements, or None
     cdef object payload, received, mine, own_in, own, gathered, dec, dec_head
+    cdef object tail                    # float32 values summed exactly in phase 3, or None
     cdef list recv1, send1, recv3, send3    # per peer: [row] for torch's recv / send
     cdef list peers
     cdef object a_recv, a_send          # the auxiliary torch group's recv / send
     cdef object lut                     # keeps the float16 table alive (``tab``)
     cdef const float* tab
-    cdef Py_ssize_t n, me, numel, live, seg, k, rec, esize
+    cdef Py_ssize_t n, me, numel, live, seg, k, rec, esize, tb
     cdef int kind, op
 
     def __init__(self, send, recv, padded, payload, received, mine, own_in, own, gathered,
                  dec, list payload_rows, list received_rows, list gathered_rows, aux,
                  Py_ssize_t me, Py_ssize_t k, Py_ssize_t rec, int kind, lut, int op,
-                 Py_ssize_t live):
+                 Py_ssize_t live, tail=None):
         cdef Py_ssize_t j
         cdef const float[::1] table = lut
         self.send, self.recv, self.padded = send, recv, padded
@@ -222,6 +223,10 @@ cdef class CompressedJob(Job):
         self.lut = lut
         self.tab = &table[0] if table.shape[0] else NULL
         self.dec_head = dec[:self.numel] if dec is not None else None
+        # the exact tail: ``own`` and each gathered row end with ``tb`` bytes of this rank's
+        # (and each rank's) float32 ``tail``, reduced (op SUM or AVG) into ``tail``
+        self.tail = tail
+        self.tb = tail.numel() * 4 if tail is not None else 0
 
     cdef void _exchange(self, list recvs, list sends, const uint8_t* mine_src,
                         uint8_t* mine_dst, Py_ssize_t row) except *:
@@ -251,6 +256,8 @@ cdef class CompressedJob(Job):
         cdef const void* own_src = mine
         cdef float* out
         cdef Py_ssize_t row = k * rec
+        cdef Py_ssize_t tb = self.tb, row3 = row + tb, j
+        cdef float* tail = NULL
         if self.padded is not None:         # zero-padded to the compressor's alignment
             pad = <char*><Py_ssize_t>self.padded.data_ptr()
             with nogil:
@@ -272,9 +279,13 @@ cdef class CompressedJob(Job):
         if self.own_in is not None:
             self.own_in.copy_(self.mine)
             own_src = <const void*><Py_ssize_t>self.own_in.data_ptr()
+        if tb:
+            tail = <float*><Py_ssize_t>self.tail.data_ptr()
         with nogil:
             _minmax.compress_any(own_src, seg // k, kind, tab, k, own, rec)
-        self._exchange(self.recv3, self.send3, own, gathered + self.me * row, row)
+            if tb:
+                memcpy(own + row, tail, tb)
+        self._exchange(self.recv3, self.send3, own, gathered + self.me * row3, row3)
         # 4. everything decoded (16-bit: into float32, then rounded by torch's copy, as
         # ``MinMaxUInt8.decompress`` does; float32 with padding: into the padded buffer,
         # which phase 1 was the last to read)
@@ -285,13 +296,34 @@ cdef class CompressedJob(Job):
         else:
             out = <float*><Py_ssize_t>self.recv.data_ptr()
         with nogil:
-            _minmax.decode_reduce_any(gathered, rec, chunks, 1, kind, tab, out, padded, 0)
+            if not tb:
+                _minmax.decode_reduce_any(gathered, rec, chunks, 1, kind, tab, out, padded, 0)
+            else:       # row by row (each record decodes alone: the same values), then
+                for j in range(n):      # the tails, summed in rank order
+                    _minmax.decode_reduce_any(gathered + j * row3, rec, k, 1, kind, tab,
+                                              out + j * seg, seg, 0)
+                _sum_tails(gathered + row, row3, n, tail, tb // 4, op == 1)
         if self.dec is not None:
             self.recv.copy_(self.dec_head)
         elif self.padded is not None:
             x = <char*><Py_ssize_t>self.recv.data_ptr()
             with nogil:
                 memcpy(x, out, self.numel * 4)
+
+
+cdef void _sum_tails(const uint8_t* first, Py_ssize_t stride, Py_ssize_t rows, float* out,
+                     Py_ssize_t count, bint average) noexcept nogil:
+    """``out[i]`` = the sum over the ``rows`` float32 arrays at ``first + r * stride`` (not
+    necessarily aligned) of their ``i``-th value, in row order; divided by ``rows`` with
+    ``average``."""
+    cdef Py_ssize_t i, r
+    cdef float acc, v
+    for i in range(count):
+        memcpy(&acc, first + i * 4, 4)
+        for r in range(1, rows):
+            memcpy(&v, first + r * stride + i * 4, 4)
+            acc = acc + v
+        out[i] = acc / <float>rows if average else acc
 
 
 cdef void _ring_difference(const float* w, const float* left, const float* right,
