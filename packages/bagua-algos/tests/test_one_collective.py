@@ -1,8 +1,9 @@
 """One collective per training step (docs/design.md §5, "DDP parity"): the "did any rank give this
 tensor a gradient" flags ride in the last bucket's allreduce instead of a collective of their
 own, for GradientAllReduce (fp32, fp16 and bf16 buckets, across no_sync() accumulation) and
-the averaging warmup steps of QAdam and AsyncModelAverage, LowRank and TopK; ByteGrad, whose compressed
-communication cannot carry them, still gets unused parameters right.  (The hierarchical mode,
+the averaging warmup steps of QAdam and AsyncModelAverage, LowRank and TopK; ByteGrad and QAdam's
+compressed steps carry them as an exact tail of their compiled compressed exchange (gloo CPU,
+MinMaxUInt8) and get unused parameters right.  (The hierarchical mode,
 hierarchical_run, runs in test_hierarchical.py's 4-rank spawn; bit-for-bit parity with DDP's
 find_unused_parameters=True is test_ddp_parity.py's.)"""
 
@@ -88,8 +89,9 @@ def _no_sync_run():
 
 
 def _bytegrad_run(algo: str = "bytegrad"):
-    """An algorithm whose communication cannot carry the flags still gets them right (its
-    check runs beside the compressed allreduce: ``unused_check_beside``)."""
+    """ByteGrad, QAdam past warmup: the flags ride in the last bucket's compiled compressed
+    allreduce (an exact tail), which runs on the group's worker, not through the group's own
+    channel: no collective there per step."""
     rank = bc.get_rank()
     model = _Branchy()
     if algo == "qadam":                   # past its one warm-up step: compressed momentum
@@ -99,15 +101,17 @@ def _bytegrad_run(algo: str = "bytegrad"):
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         algorithm = ByteGrad(hierarchical=False)
     wrapped = with_bagua(model, [opt], algorithm)
-    none = []
+    none, calls = [], []
     for step in range(4):
         model.use_b = rank == 0 and step % 2 == 0
-        opt.zero_grad(set_to_none=True)
-        _step(wrapped, model, step, rank, torch.float32)
-        none.append([p.grad is None for p in model.parameters()])
-        opt.step()
+        with _counting_collectives() as issued:
+            opt.zero_grad(set_to_none=True)
+            _step(wrapped, model, step, rank, torch.float32)
+            none.append([p.grad is None for p in model.parameters()])
+            opt.step()
+        calls.append(len(issued))
     wrapped.detach_algorithm()
-    return none
+    return {"none": none, "calls": calls}
 
 
 def _low_rank_run():
@@ -287,6 +291,9 @@ def test_topk_carries_the_flags_beside_its_indices(runs, variant):
 
 
 @pytest.mark.parametrize("algo", ["bytegrad", "qadam"])
-def test_algorithm_that_cannot_carry_flags_keeps_unused_grads_none(runs, algo):
+def test_compressed_steps_carry_the_flags_in_their_own_exchange(runs, algo):
     for r in runs:
-        assert r[algo] == [_expected_none(s) for s in range(4)]
+        assert r[algo]["none"] == [_expected_none(s) for s in range(4)]
+        # from step 2 on: the compressed allreduces run on the worker's channel and carry
+        # the flags; nothing on the group's own (it was the flags' allreduce each step)
+        assert r[algo]["calls"][2:] == [0, 0], r[algo]["calls"]

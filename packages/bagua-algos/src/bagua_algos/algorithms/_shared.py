@@ -211,21 +211,30 @@ class CompressedAllReduce:
             tensor[bucket.numel:].zero_()
         return self.reducer.compressed_allreduce(tensor, self.compressor, bucket.name, self.op)
 
-    def launchers(self, buckets, tensors) -> list:
+    def launchers(self, buckets, tensors, flags=None) -> tuple[list, bool]:
         """Per bucket, a no-argument callable that starts what ``self(tensor, bucket)``
         starts: flat, for a compressor bagua_comm runs compiled (MinMaxUInt8 without error
         feedback on gloo), its launcher (the checks and buffers made here, once; no Python
-        per call); else a call of ``self``."""
+        per call); else a call of ``self``.  With ``flags`` (the last bucket's "got a
+        gradient" flags, float32), the last bucket's compiled launcher also sums them
+        exactly, uncompressed, in its own exchange where it can; the second value says
+        whether it does (the same on every rank: it depends on the configuration only)."""
         from bagua_comm._compressed import _inplace_launcher
 
-        out = []
-        for t, b in zip(tensors, buckets):
+        out, carried = [], False
+        for i, (t, b) in enumerate(zip(tensors, buckets)):
             fast = None
             if not self.reducer.hierarchical:
-                fast = _inplace_launcher(t, self.op, self.compressor, self.reducer.group,
-                                         b.numel)
+                tail = flags if i == len(buckets) - 1 else None
+                if tail is not None:
+                    fast = _inplace_launcher(t, self.op, self.compressor, self.reducer.group,
+                                             b.numel, tail)
+                    carried = fast is not None
+                if fast is None:
+                    fast = _inplace_launcher(t, self.op, self.compressor, self.reducer.group,
+                                             b.numel)
             out.append(fast if fast is not None else functools.partial(self, t, b))
-        return out
+        return out, carried
 
     def state_dict(self) -> dict:
         return {**self.state.export(self.buckets), "layout": layout(self.buckets)}

@@ -64,7 +64,8 @@ class ByteGradImpl(AlgorithmImpl):
     def __init__(self, group, algo: ByteGrad):
         super().__init__(group)
         self.state = ByteGradState(group, algo)
-        self._launchers: tuple | None = None     # (buckets, hierarchical, launchers)
+        # (buckets, hierarchical, launchers, whether the last one carries the flags)
+        self._launchers: tuple | None = None
 
     def bucket_alignment(self) -> int:
         return self.state.allreduce.alignment()
@@ -72,20 +73,44 @@ class ByteGradImpl(AlgorithmImpl):
     def init_operations(self, ctx, buckets):
         self.state.allreduce.buckets = buckets
 
+    def _carried_launchers(self, ctx):
+        """This layout's launchers when the last one carries the flags (its compressed
+        allreduce is compiled: flat MinMaxUInt8 on gloo CPU, float32), else None."""
+        buckets = self.state.allreduce.buckets
+        if not buckets:
+            return None
+        got = self.bucket_launchers(ctx, buckets)
+        cached = self._launchers
+        return got if cached is not None and cached[2] is got and cached[3] else None
+
+    def carries_unused_flags(self, ctx):
+        """Where the last bucket's compressed allreduce is compiled, the flags ride in its
+        own exchange as an exact, uncompressed tail: no collective of their own."""
+        return self._carried_launchers(ctx) is not None
+
     def bucket_ready_hook(self, ctx, bucket):
+        carried = self._carried_launchers(ctx)
+        if carried is not None:     # every start (a joined rank's too) carries the flags
+            return carried[bucket.index][1]()
         return self.state.allreduce(bucket.grad, bucket)
 
     def bucket_launchers(self, ctx, buckets):
         """What :meth:`bucket_ready_hook` starts, as launchers made once per layout and mode
-        (:meth:`CompressedAllReduce.launchers`: compiled for MinMaxUInt8 on gloo)."""
+        (:meth:`CompressedAllReduce.launchers`: compiled for MinMaxUInt8 on gloo, the last
+        one carrying the flags where it can)."""
+        return self._launchers_of(ctx, buckets)[2]
+
+    def _launchers_of(self, ctx, buckets):
         hier = self.state.allreduce.reducer.hierarchical
         cached = self._launchers
         if cached is not None and cached[0] is buckets and cached[1] == hier:
-            return cached[2]
-        starts = self.state.allreduce.launchers(buckets, [b.grad for b in buckets])
+            return cached
+        flags = buckets[-1].flags if buckets else None
+        starts, carried = self.state.allreduce.launchers(buckets, [b.grad for b in buckets],
+                                                         flags)
         out = [(self.grad_divisor(b), s) for b, s in zip(buckets, starts)]
-        self._launchers = (buckets, hier, out)
-        return out
+        self._launchers = (buckets, hier, out, carried)
+        return self._launchers
 
     def state_dict(self):
         return {"compressor": self.state.allreduce.state_dict()}

@@ -214,7 +214,8 @@ class QAdamImpl(AlgorithmImpl):
         self.optimizer._under_qadam = True
         self.optimizer._qadam_groups = len(self.optimizer.param_groups)
         self.optimizer._qadam_average = self.average_momentum
-        self._launchers: tuple | None = None     # (buckets, (phase, hierarchical), launchers)
+        # (buckets, (phase, hierarchical), launchers, whether the last carries the flags)
+        self._launchers: tuple | None = None
         self._bound_state = None                 # the optimizer state the momenta are bound in
 
     def bucket_alignment(self) -> int:
@@ -251,34 +252,55 @@ class QAdamImpl(AlgorithmImpl):
             for b in buckets:
                 self._bind_momentum(b)
             self._bound_state = opt.state
+        return self._launchers_of(ctx, buckets, phase)[2]
+
+    def _launchers_of(self, ctx, buckets, phase):
+        """(buckets, (phase, hierarchical), launchers, whether the last carries the flags)."""
         hier = self.state.reducer.hierarchical
         cached = self._launchers
         if cached is not None and cached[0] is buckets and cached[1] == (phase, hier):
-            return cached[2]
+            return cached
+        carried = False
         if phase == "fold":
             from .._engine import _hot
 
-            starts = self.state.compressed.launchers(
-                buckets, [self.state.momentum[b.index] for b in buckets])
+            starts, carried = self.state.compressed.launchers(
+                buckets, [self.state.momentum[b.index] for b in buckets],
+                buckets[-1].flags if buckets else None)
             out = [(None, _hot.FoldThenStart(list(b.params), b.grad_views(),
                                              list(self.state.views[b.index]),
                                              [self._group_of[id(p)] for p in b.params],
-                                             opt.momentum_ready, s))
+                                             self.optimizer.momentum_ready, s))
                    for b, s in zip(buckets, starts)]
         else:
             out = super().bucket_launchers(ctx, buckets)
-        self._launchers = (buckets, (phase, hier), out)
-        return out
+        self._launchers = (buckets, (phase, hier), out, carried)
+        return self._launchers
+
+    def _carried_launchers(self, ctx):
+        """This step's launchers when the compressed momentum average carries the flags (its
+        last bucket's compiled launcher sums them exactly in its own exchange), else None."""
+        opt = self.optimizer
+        if opt.next_step_is_warmup() or opt._amp or not self.buckets:
+            return None
+        got = self.bucket_launchers(ctx, self.buckets)    # made (or found) for this phase
+        cached = self._launchers
+        return got if cached is not None and cached[2] is got and cached[3] else None
 
     def carries_unused_flags(self, ctx):
-        """Warmup steps average the gradients (flags included); compressed steps cannot."""
-        return self.optimizer.next_step_is_warmup()
+        """Warmup steps average the gradients (flags included); compressed steps carry them
+        where the momentum average is compiled (flat MinMaxUInt8 on gloo CPU, float32)."""
+        return (self.optimizer.next_step_is_warmup()
+                or self._carried_launchers(ctx) is not None)
 
     def bucket_ready_hook(self, ctx, bucket):
         if self.optimizer.next_step_is_warmup():
             return self.state.reducer.allreduce(bucket.grad_and_flags, bc.ReduceOp.AVG)
         if self.optimizer._amp:
             return None       # loss-scaled gradients: folded in step(), once unscaled
+        carried = self._carried_launchers(ctx)
+        if carried is not None:   # every start (a joined rank's too) carries the flags
+            return carried[bucket.index][1]()
         return self._fold_and_average(bucket, bucket.grad_views())
 
     def _fold_and_average(self, bucket, grads):
