@@ -340,6 +340,15 @@ def test_sync_rows_use_recommends_rule_and_a_compressed_row_counts_its_own_bytes
     assert u4 == diloco_plan((ddp_step - compute) / 8, compute, n).sync_every
     # an eighth of the sync's cost: more syncs (shorter periods) pay off
     assert u4 <= h
+    # the cell's link known: a 4-bit row's sync as recommend prices it (latency included),
+    # a float32 row's still DDP's allreduce
+    from bagua_algos.tuning.recommend import diloco_sync_seconds
+
+    net = {"bandwidth_mbit": 100, "latency_ms": 100, "nodes": 4, "model_bytes": 5.76e6}
+    assert sync_every_for(ddp_step, compute, n, bytes_scale=OUTER_BYTES["diloco_u4"],
+                          network=net) == diloco_plan(diloco_sync_seconds(**net), compute,
+                                                      n).sync_every
+    assert sync_every_for(ddp_step, compute, n, network=net) == h
     # the length unknown: the 10%-overhead rule
     assert sync_every_for(ddp_step, compute, None, bytes_scale=1 / 8) == math.ceil(
         (ddp_step - compute) / 8 / (0.1 * compute))

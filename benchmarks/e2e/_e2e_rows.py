@@ -160,17 +160,27 @@ def bagua_spec(row: str, procs_per_host: int, *, warmup: int = 2,
 
 
 def sync_every_for(ddp_step_s: float, compute_s: float, total_steps: int | None, *,
-                   overhead: float = 0.1, bytes_scale: float = 1.0) -> int:
+                   overhead: float = 0.1, bytes_scale: float = 1.0,
+                   network: dict | None = None) -> int:
     """``sync_every`` for the workload, by the rule ``recommend`` uses
     (``bagua_algos.tuning.recommend.diloco_sync_every``): one sync costs about what DDP's allreduce
     costs in a step (``ddp_step_s - compute_s``: the same bytes, once; ``bytes_scale`` of it
     for a compressed outer gradient).  ``total_steps``: the run's length as a user plans it,
     DDP's steps to the deepest target (the ``auto`` row tells ``recommend`` the same); the
     rule plans the H that reaches that loss soonest (``diloco_plan``).  None: the length is
-    unknown, and H is the one whose sync adds ``overhead`` (10%) to its compute."""
-    from bagua_algos.tuning.recommend import diloco_sync_every
+    unknown, and H is the one whose sync adds ``overhead`` (10%) to its compute.
+    ``network`` (``diloco_sync_seconds``' arguments: the cell's shaped link): a 4-bit row's
+    sync is priced as ``recommend`` prices it, since a compressed allreduce's latency does not
+    shrink with its bytes (at 50 ms, DDP's allreduce / 8 said 0.125 s a sync; it took 0.37)."""
+    from bagua_algos.tuning.recommend import (
+        DILOCO_OUTER_BYTES,
+        diloco_sync_every,
+        diloco_sync_seconds,
+    )
 
     comm = max(0.0, ddp_step_s - compute_s) * bytes_scale
+    if network is not None and bytes_scale == DILOCO_OUTER_BYTES:
+        comm = diloco_sync_seconds(**network)
     return diloco_sync_every(comm, compute_s, overhead, total_steps=total_steps)
 
 

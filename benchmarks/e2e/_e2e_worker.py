@@ -141,7 +141,19 @@ def _choose_sync_every(args, slowest_compute_s: float, *, bytes_scale: float = 1
     if args.sync_every:
         return args.sync_every
     return sync_every_for(_ddp_step(args), slowest_compute_s, _deepest(args),
-                          bytes_scale=bytes_scale)
+                          bytes_scale=bytes_scale, network=_network(args))
+
+
+def _network(args) -> dict | None:
+    """The shaped link as ``sync_every_for`` takes it (None: unshaped, or not known)."""
+    if not args.network_mbit:
+        return None
+    world = dist.get_world_size()
+    return {"bandwidth_mbit": args.network_mbit,
+            # recommend's latency unit: one tiny exchange, two one-way delays on gloo
+            "latency_ms": 2 * args.network_latency_ms,
+            "nodes": max(1, world // max(1, args.procs_per_host)),
+            "model_bytes": 4 * num_params(make_model(args.size, seed=args.seed))}
 
 
 def _ddp_step(args) -> float:
@@ -487,6 +499,11 @@ def main(argv=None) -> int:
                          "runs in this job)")
     ap.add_argument("--full-budget", action="store_true",
                     help="every row trains its whole budget (no stop at the deepest target)")
+    ap.add_argument("--network-mbit", type=float, default=0.0,
+                    help="the cell's shaped bandwidth (0: unshaped): a 4-bit DiLoCo row's sync "
+                         "is priced by recommend's model of it")
+    ap.add_argument("--network-latency-ms", type=float, default=0.0,
+                    help="the cell's one-way delay between hosts")
     ap.add_argument("--ifname", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)

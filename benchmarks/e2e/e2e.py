@@ -218,7 +218,8 @@ class Launcher:
 
     def start(self, algorithms: list[str], outdir: Path,
               ddp_seconds: float = 0.0, ddp_budget_s: float = 0.0,
-              stop_loss: float | None = None) -> list[subprocess.Popen]:
+              stop_loss: float | None = None,
+              network: tuple | None = None) -> list[subprocess.Popen]:
         a = self.args
         worker = [WORKER, "--algorithms", ",".join(algorithms), "--size", a.size,
                   "--steps", a.steps, "--warmup", a.warmup, "--wall-seconds", a.wall_seconds,
@@ -229,6 +230,8 @@ class Launcher:
                   "--ddp-budget-seconds", ddp_budget_s,
                   "--depth-steps", ",".join(map(str, a.depth_steps)),
                   "--ifname", self.tb.data_ifname if self.tb else ""]
+        if network and network[0]:     # the shaped link: what the rows' rules are told
+            worker += ["--network-mbit", network[0], "--network-latency-ms", network[1] or 0]
         if a.full_budget:
             worker.append("--full-budget")
         elif stop_loss is not None:     # DDP ran in an earlier job: its deepest loss
@@ -318,7 +321,8 @@ def run_bandwidth(bw, args, launcher: Launcher, display, latency_ms=0) -> list[d
         ok = ddp.get("status") == "ok"
         procs = launcher.start(remaining, outdir, (ddp.get("window_s") or 0.0) if ok else 0.0,
                                (ddp.get("budget_s") or 0.0) if ok else 0.0,
-                               _deepest_loss(ddp, args) if ok else None)
+                               _deepest_loss(ddp, args) if ok else None,
+                               network=(bw, latency_ms))
         last_change, last_seen = time.monotonic(), None
         stalled = False
         while any(p.poll() is None for p in procs):
