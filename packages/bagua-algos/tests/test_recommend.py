@@ -129,6 +129,38 @@ def test_every_rank_chooses_the_same_within_the_time_bound():
     assert a["explicit"] == "ByteGrad"
 
 
+def _counted_measurement():
+    from bagua_algos.tuning import recommend as rmod
+
+    calls = []
+    real = rmod._max
+
+    def counting(values, group):
+        calls.append(len(values))
+        return real(values, group)
+
+    rmod._max = counting
+    try:
+        m = rmod.measure_network(time_limit_s=3.0)
+    finally:
+        rmod._max = real
+    return {"maxes": len(calls), "probes": m.probes, "bw": m.bandwidth_mbit}
+
+
+@pytest.mark.timeout(300)
+def test_the_measurement_jumps_to_a_readable_probe_with_one_max_each():
+    """Each MAX is a collective that costs the group's latency rounds (~0.6 s for 4 ranks at
+    50 ms one way): one for the latency and the codec, one per probe, nothing more; and the
+    probes go straight to a size long enough to read (loopback: 64 KiB, then the largest,
+    where growing by 4 took six probes)."""
+    a, b = run_ranks(_counted_measurement, 2, timeout=200)
+    assert a["probes"] == b["probes"] and a["bw"] == b["bw"]
+    assert a["maxes"] == b["maxes"] == len(a["probes"]) + 1
+    sizes = [size for size, _ in a["probes"]]
+    assert sizes[0] == 64 * 1024 and all(y >= 4 * x for x, y in zip(sizes, sizes[1:]))
+    assert len(sizes) <= 3
+
+
 def _forced():
     model = torch.nn.Linear(8, 8)
     return type(with_bagua(model, [torch.optim.SGD(model.parameters(), lr=0.1)],

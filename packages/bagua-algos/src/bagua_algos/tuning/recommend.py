@@ -10,8 +10,8 @@ The measurement (:func:`measure_network`) is a ring shift between ranks on diffe
 (rank r sends to r + local_size): first tiny messages (latency = the time of one shift: one
 way where a send goes at once, about two one-way delays on gloo, whose send waits for the
 receiver's "ready" notice -- measured 10.7 ms at 5 ms and 101 ms at 50 ms one way; the rule
-then counts latency in units of one such exchange), then growing probes (bandwidth = bytes / (time - latency)) until a probe takes long
-enough to be read or the time budget is spent.  Every rank times its own exchanges; the times
+then counts latency in units of one such exchange), then a 64 KiB probe and, sized by its rate, one long enough to be read (bandwidth =
+bytes / (time - latency)), within the time budget.  Every rank times its own exchanges; the times
 are reduced with MAX, so every rank holds the same numbers, and rank 0's choice is broadcast.
 The probes and the codec's timing run on the job's device (its parameters'): a GPU job is
 priced by NCCL and the CUDA codec, each timing ending when the GPU is done.
@@ -173,6 +173,8 @@ _UINT8 = 4.0  # MinMaxUInt8 sends a quarter of float32's bytes
 CODEC_S_PER_BYTE = 1e-9
 #: Seconds of transfer (beyond the latency) that make a bandwidth probe readable
 PROBE_READ_S = 0.1
+#: The largest bandwidth probe, bytes
+_MAX_PROBE = 64 * 1024 * 1024
 #: float32 elements of the buffer measure_network compresses and decompresses (4 MiB)
 _CODEC_PROBE = 1 << 20
 
@@ -430,24 +432,22 @@ def measure_network(group=None, *, time_limit_s: float = 3.0,
         return NetworkMeasurement(float("inf"), 0.0, 1, 1, 0.0, device=str(device))
     ssai = _slow_start_after_idle()
     tiny, tiny_out = torch.zeros(1, device=device), torch.zeros(1, device=device)
-    for _ in range(2):  # connections up, first-use costs paid
-        _shift(tiny, tiny_out, dst, src, group)
+    _shift(tiny, tiny_out, dst, src, group)    # connections up, first-use costs paid
     _settle(device)
     rounds = []
-    for _ in range(5):
+    for _ in range(3):      # each costs a round trip: 0.1 s apiece at 50 ms one way
         t = time.monotonic()
         _shift(tiny, tiny_out, dst, src, group)
         _settle(device)
         rounds.append(time.monotonic() - t)
     # Every rank encodes at once, as in training: processes sharing cores pay for it here.
-    latency, codec, ssai = _max([sorted(rounds)[len(rounds) // 2],
-                                 _codec_seconds(device=device), ssai], group)
-    probes, size, spent = [], 64 * 1024, _max([time.monotonic() - t0], group)[0]
-    last = 0.0
-    while size <= 64 * 1024 * 1024:
-        # The next probe takes about (size / previous size) x the previous one, twice over.
-        if probes and spent + 2 * 4.5 * last > time_limit_s:
-            break
+    # One MAX for all of it: each collective costs the group's latency rounds (at 50 ms one
+    # way, ~0.6 s for 4 ranks), more than a probe.
+    latency, codec, ssai, spent = _max([sorted(rounds)[len(rounds) // 2],
+                                        _codec_seconds(device=device), ssai,
+                                        time.monotonic() - t0], group)
+    probes, size = [], 64 * 1024
+    while True:
         buf = torch.zeros(size // 4, device=device)
         out = torch.empty_like(buf)
         best = float("inf")
@@ -459,16 +459,26 @@ def measure_network(group=None, *, time_limit_s: float = 3.0,
             best = min(best, time.monotonic() - t)
         best, spent = _max([best, time.monotonic() - t0], group)
         probes.append((size, best))
-        last = best
-        # long enough to be read (the next would cost 4x): its transfer at least 0.1 s and
-        # at least the latency it is corrected by (at 10 Mbit/s a 256 KiB probe, 0.2 s)
-        if best - latency > max(PROBE_READ_S, latency):
+        # long enough to be read: its transfer at least 0.1 s and at least the latency it is
+        # corrected by (at 10 Mbit/s a 256 KiB probe, 0.2 s)
+        read = max(PROBE_READ_S, latency)
+        if best - latency > read or size >= _MAX_PROBE:
             break
-        size *= 4
+        # the next probe: straight to the size this one's rate says is readable (a power of
+        # 4 times this one), not every size on the way, each with its own MAX; the largest
+        # such that fits in what is left of the time limit, twice over
+        rate = size / max(best - latency, 1e-6)
+        nxt = size * 4
+        while nxt < rate * read and nxt < _MAX_PROBE:
+            nxt *= 4
+        while nxt > size * 4 and spent + 2 * (nxt / rate + latency) > time_limit_s:
+            nxt //= 4
+        if spent + 2 * (nxt / rate + latency) > time_limit_s:
+            break
+        size = nxt
     size, t = probes[-1]
     bandwidth = size * 8 / max(t - latency, 1e-6) / 1e6
-    return NetworkMeasurement(bandwidth, latency * 1e3, world, nodes,
-                              _max([time.monotonic() - t0], group)[0], probes,
+    return NetworkMeasurement(bandwidth, latency * 1e3, world, nodes, spent, probes,
                               codec / (4 * _CODEC_PROBE), None if ssai < 0 else bool(ssai),
                               str(device))
 
