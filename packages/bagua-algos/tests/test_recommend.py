@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -157,7 +158,7 @@ def test_the_measurement_jumps_to_a_readable_probe_with_one_max_each():
     assert a["probes"] == b["probes"] and a["bw"] == b["bw"]
     assert a["maxes"] == b["maxes"] == len(a["probes"]) + 1
     sizes = [size for size, _ in a["probes"]]
-    assert sizes[0] == 64 * 1024 and all(y >= 4 * x for x, y in zip(sizes, sizes[1:]))
+    assert sizes[0] == 64 * 1024 and all(y >= 4 * x for x, y in itertools.pairwise(sizes))
     assert len(sizes) <= 3
 
 
