@@ -149,17 +149,45 @@ def _counted_measurement():
 
 
 @pytest.mark.timeout(300)
-def test_the_measurement_jumps_to_a_readable_probe_with_one_max_each():
+def test_the_measurement_sends_one_max_per_probe_and_one_more():
     """Each MAX is a collective that costs the group's latency rounds (~0.6 s for 4 ranks at
-    50 ms one way): one for the latency and the codec, one per probe, nothing more; and the
-    probes go straight to a size long enough to read (loopback: 64 KiB, then the largest,
-    where growing by 4 took six probes)."""
+    50 ms one way): one for the latency and the codec, one per probe, nothing more (there
+    were one more for the latency and one for the elapsed time); the probes grow by 4."""
     a, b = run_ranks(_counted_measurement, 2, timeout=200)
     assert a["probes"] == b["probes"] and a["bw"] == b["bw"]
     assert a["maxes"] == b["maxes"] == len(a["probes"]) + 1
     sizes = [size for size, _ in a["probes"]]
-    assert sizes[0] == 64 * 1024 and all(y >= 4 * x for x, y in itertools.pairwise(sizes))
-    assert len(sizes) <= 3
+    assert sizes[0] == 64 * 1024 and all(y == 4 * x for x, y in itertools.pairwise(sizes))
+
+
+def _behind_a_shaper_with_a_burst():
+    """Every exchange as a 10 Mbit/s token bucket with a 512 KiB burst would pass it: what
+    fits in the burst goes at once, the rest at the rate."""
+    from bagua_algos.tuning import recommend as rmod
+
+    real = rmod._shift
+
+    def shaped(buf, out, dst, src, group):
+        real(buf, out, dst, src, group)
+        nbytes = buf.numel() * buf.element_size()
+        time.sleep(max(0, nbytes - 512 * 1024) / (10e6 / 8))
+
+    rmod._shift = shaped
+    try:
+        t = time.monotonic()
+        m = rmod.measure_network(time_limit_s=3.0)
+        return {"took": time.monotonic() - t, "probes": m.probes}
+    finally:
+        rmod._shift = real
+
+
+@pytest.mark.timeout(300)
+def test_a_shapers_burst_does_not_send_the_measurement_past_its_time_limit():
+    """A probe inside the burst looks as fast as the wire: a next probe sized from its rate
+    (64 MiB, 53 s a time at 10 Mbit/s; 114 s on the testbed) must not follow."""
+    a, b = run_ranks(_behind_a_shaper_with_a_burst, 2, timeout=200)
+    assert a["probes"] == b["probes"]
+    assert a["took"] < 3.0 + 1.5 and max(size for size, _ in a["probes"]) <= 4 << 20
 
 
 def _forced():
