@@ -117,14 +117,9 @@ def already_equal(module: torch.nn.Module, optimizers, group: bc.ProcessGroup) -
     False without communicating (a digest of device memory would copy it to the host)."""
     if group.size == 1 or group.backend != "gloo":
         return False
-    return same_everywhere(digest(list(module.parameters()), list(module.buffers()),
-                                  [opt.state_dict() for opt in optimizers]), group)
-
-
-def same_everywhere(d: bytes, group: bc.ProcessGroup) -> bool:
-    """Whether every rank of ``group`` holds the digest ``d`` (collective: one allgather of
-    16 bytes a rank; every rank gets the same answer)."""
-    words = torch.tensor(digest_words(d), dtype=torch.int64)
+    mine = digest(list(module.parameters()), list(module.buffers()),
+                  [opt.state_dict() for opt in optimizers])
+    words = torch.tensor(digest_words(mine), dtype=torch.int64)
     every = torch.empty(words.numel() * group.size, dtype=torch.int64)
     bc.allgather(words, every, group=group)
     return bool((every.view(group.size, -1) == words).all())
@@ -138,7 +133,11 @@ def check_same_on_every_rank(config: dict[str, str], group: bc.ProcessGroup) -> 
     description is broadcast and a MAX of one flag per field names what differs."""
     if group.size == 1:
         return
-    if same_everywhere(digest(sorted(config.items())), group):
+    whole = hashlib.sha256(repr(sorted(config.items())).encode()).digest()[:DIGEST_BYTES]
+    words = torch.tensor(digest_words(whole), dtype=torch.int64)
+    every = torch.empty(words.numel() * group.size, dtype=torch.int64)
+    bc.allgather(words, every, group=group)
+    if bool((every.view(group.size, -1) == words).all()):
         return
     fields = list(config)
     reference = bc.broadcast_object(config if group.rank == 0 else None, 0, group=group)
