@@ -160,6 +160,46 @@ def test_the_measurement_sends_one_max_per_probe_and_one_more():
     assert sizes[0] == 64 * 1024 and all(y == 4 * x for x, y in itertools.pairwise(sizes))
 
 
+def _recommend_counted():
+    """recommend with this rank's own compute_s, its collectives counted at their entry."""
+    from bagua_algos.tuning import recommend as rmod
+
+    compute_s = 0.5 if bc.get_rank() == 0 else 0.25
+
+    seen, real = [], {name: getattr(bc, name) for name in ("broadcast_object", "broadcast",
+                                                           "allreduce_inplace", "allgather")}
+    for name, fn in real.items():
+        def counting(*a, _name=name, _fn=fn, **k):
+            seen.append(_name)
+            return _fn(*a, **k)
+        setattr(bc, name, counting)
+    try:
+        rec = rmod.recommend(model_bytes=13.2e6, compute_s=compute_s, total_steps=80,
+                             time_limit_s=1.0)
+    finally:
+        for name, fn in real.items():
+            setattr(bc, name, fn)
+    m = rec.measurement
+    # the rule applied here to the slowest rank's step: what every rank must have chosen
+    want = rmod.choose(m.bandwidth_mbit, m.latency_ms, m.world_size, 13.2e6, compute_s=0.5,
+                       nodes=m.nodes, total_steps=80, codec_s_per_byte=m.codec_s_per_byte)
+    return {"seen": seen, "probes": len(m.probes), "name": rec.name, "kwargs": rec.kwargs,
+            "want": (want[0], want[1], want[3]), "scores": rec.scores}
+
+
+@pytest.mark.timeout(300)
+def test_every_rank_computes_the_choice_from_agreed_inputs_without_a_broadcast():
+    """A broadcast of rank 0's choice is two more collectives (~0.3 s each between 4 hosts at
+    50 ms one way): the ranks' compute_s (here different) rides in the measurement's first
+    MAX, so each rank applies the rule to the same numbers, the slowest rank's step."""
+    # one process per node: the rule runs (on one node it is the exact allreduce outright)
+    a, b = run_ranks(_recommend_counted, 2, local_world_size=1, timeout=200)
+    for r in (a, b):
+        assert r["seen"] == ["allreduce_inplace"] * (r["probes"] + 1), r["seen"]
+        assert (r["name"], r["kwargs"], r["scores"]) == r["want"]
+    assert (a["name"], a["kwargs"], a["scores"]) == (b["name"], b["kwargs"], b["scores"])
+
+
 def _behind_a_shaper_with_a_burst():
     """Every exchange as a 10 Mbit/s token bucket with a 512 KiB burst would pass it: what
     fits in the burst goes at once, the rest at the rate."""
@@ -252,8 +292,8 @@ def _auto_far(bucket_size):
 
     world = bc.get_world_size()
     # The network the ranks would measure on a far, slow link (no latency on loopback).
-    rec.measure_network = lambda group, time_limit_s, device=None: NetworkMeasurement(
-        100.0, 50.0, world, world, 0.0)
+    rec._measure = lambda group, time_limit_s, device, agree: (NetworkMeasurement(
+        100.0, 50.0, world, world, 0.0), agree)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(16)])  # 16.8 MB
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     m = with_bagua(model, [opt], "auto", bucket_size=bucket_size)

@@ -12,7 +12,7 @@ way where a send goes at once, about two one-way delays on gloo, whose send wait
 receiver's "ready" notice -- measured 10.7 ms at 5 ms and 101 ms at 50 ms one way; the rule
 then counts latency in units of one such exchange), then growing probes (bandwidth = bytes / (time - latency)) until a probe takes long
 enough to be read or the time budget is spent.  Every rank times its own exchanges; the times
-are reduced with MAX, so every rank holds the same numbers, and rank 0's choice is broadcast.
+are reduced with MAX, so every rank holds the same numbers and computes the same choice.
 The probes and the codec's timing run on the job's device (its parameters'): a GPU job is
 priced by NCCL and the CUDA codec, each timing ending when the GPU is done.
 
@@ -418,6 +418,12 @@ def measure_network(group=None, *, time_limit_s: float = 3.0,
     the probes are tensors there (a CUDA device's go through NCCL) and the codec is timed
     there, each timing ending when the device is done.
     """
+    return _measure(group, time_limit_s, device, [])[0]
+
+
+def _measure(group, time_limit_s, device, agree: list[float]):
+    """:func:`measure_network`, and ``agree`` (each rank's own numbers) MAX-reduced in the
+    measurement's first collective: the rest of a choice's inputs, at no extra collective."""
     if not time_limit_s > 0:
         raise ValueError(f"time_limit_s must be > 0, got {time_limit_s!r}")
     device = _job_device(device)
@@ -429,7 +435,7 @@ def measure_network(group=None, *, time_limit_s: float = 3.0,
     dst, src = (rank + stride) % world, (rank - stride) % world
     t0 = time.monotonic()
     if world == 1:
-        return NetworkMeasurement(float("inf"), 0.0, 1, 1, 0.0, device=str(device))
+        return NetworkMeasurement(float("inf"), 0.0, 1, 1, 0.0, device=str(device)), agree
     ssai = _slow_start_after_idle()
     tiny, tiny_out = torch.zeros(1, device=device), torch.zeros(1, device=device)
     _shift(tiny, tiny_out, dst, src, group)    # connections up, first-use costs paid
@@ -443,9 +449,9 @@ def measure_network(group=None, *, time_limit_s: float = 3.0,
     # Every rank encodes at once, as in training: processes sharing cores pay for it here.
     # One MAX for all of it: each collective costs the group's latency rounds (at 50 ms one
     # way, ~0.6 s for 4 ranks), more than a probe.
-    latency, codec, ssai, spent = _max([sorted(rounds)[len(rounds) // 2],
-                                        _codec_seconds(device=device), ssai,
-                                        time.monotonic() - t0], group)
+    latency, codec, ssai, spent, *agree = _max([sorted(rounds)[len(rounds) // 2],
+                                                _codec_seconds(device=device), ssai,
+                                                time.monotonic() - t0, *agree], group)
     probes, size = [], 64 * 1024
     while True:
         buf = torch.zeros(size // 4, device=device)
@@ -475,7 +481,7 @@ def measure_network(group=None, *, time_limit_s: float = 3.0,
     bandwidth = size * 8 / max(t - latency, 1e-6) / 1e6
     return NetworkMeasurement(bandwidth, latency * 1e3, world, nodes, spent, probes,
                               codec / (4 * _CODEC_PROBE), None if ssai < 0 else bool(ssai),
-                              str(device))
+                              str(device)), agree
 
 
 def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None = None,
@@ -484,8 +490,11 @@ def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None
               measurement: NetworkMeasurement | None = None) -> Recommendation:
     """Measure the network (unless ``measurement`` is given) and pick the algorithm for it.
 
-    Collective: every rank of ``group`` calls it; every rank gets the same answer (rank 0's,
-    broadcast).  Logs one line (logger ``bagua_algos.recommend``, and stderr on rank 0) with
+    Collective: every rank of ``group`` calls it; every rank gets the same answer: the
+    measurement's numbers and ``compute_s``, ``model_bytes`` and ``total_steps`` are reduced
+    with MAX (the slowest rank's step) in its first collective, so every rank computes the
+    same choice (with ``measurement`` given, rank 0's choice is broadcast).  Logs one line
+    (logger ``bagua_algos.recommend``, and stderr on rank 0) with
     what it measured and why it chose.  ``compute_s`` (a step's forward, backward and
     optimizer step, seconds) makes DiLoCo a candidate; ``total_steps`` (the run's planned
     optimizer steps: DDP's steps to the loss it aims at) plans its ``sync_every`` for that run
@@ -509,13 +518,23 @@ def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None
         reason = f"BAGUA_ALGORITHM={forced} overrules the automatic choice"
         return Recommendation(forced, {}, algo, None, reason, {})
     group = bc.get_default_group() if group is None else group
-    m = measurement or measure_network(group, time_limit_s=time_limit_s, device=device)
+    if measurement is None:
+        # The choice's other inputs are agreed in the measurement's first MAX (compute_s:
+        # the slowest rank's), so every rank computes the same choice: a broadcast of rank
+        # 0's would cost two more collectives (0.3-0.6 s between 4 hosts at 50 ms one way).
+        m, (compute_s, model_bytes, steps) = _measure(
+            group, time_limit_s, device,
+            [compute_s, model_bytes, -1.0 if total_steps is None else total_steps])
+        total_steps = None if steps < 0 else int(steps)
+    else:
+        m = measurement
     name, kwargs, why, scores = choose(m.bandwidth_mbit, m.latency_ms, m.world_size,
                                        model_bytes, compute_s=compute_s, nodes=m.nodes,
                                        total_steps=total_steps,
                                        codec_s_per_byte=m.codec_s_per_byte)
     bucket = bucket_size_for(name, m.bandwidth_mbit, m.latency_ms, m.nodes, model_bytes)
-    name, kwargs, bucket = bc.broadcast_object((name, kwargs, bucket), src=0, group=group)
+    if measurement is not None:    # given, perhaps not alike on every rank: rank 0's choice
+        name, kwargs, bucket = bc.broadcast_object((name, kwargs, bucket), src=0, group=group)
     line = (f"bagua auto: {name}{kwargs} -- {'given' if measurement else 'measured'} "
             f"{m.bandwidth_mbit:.0f} Mbit/s, "
             f"{m.latency_ms:.2f} ms a tiny exchange between {m.nodes} nodes of {m.world_size} ranks"
