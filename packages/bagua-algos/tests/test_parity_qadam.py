@@ -185,3 +185,57 @@ def _qadam_model(reentrant):
 
 def _checkpointed_qadam(reentrant):
     return _qadam_model(None), _qadam_model(reentrant)
+
+
+def _reference_qadam_step(opt: QAdamOptimizer):
+    """QAdamOptimizer.step as one Python loop of torch calls per parameter (its code before it
+    went multi-tensor): the reference the multi-tensor step must equal bit for bit."""
+    import math
+
+    with torch.no_grad():
+        for group in opt.param_groups:
+            group["step_id"] += 1
+            t = group["step_id"]
+            beta1, beta2 = group["betas"]
+            warm = t <= opt.warmup_steps
+            bias1 = 1 - beta1 ** t
+            bias2 = 1 - beta2 ** min(t, opt.warmup_steps)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = opt.init_state(p)
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                if warm or id(p) not in opt.momentum_ready:
+                    grad = p.grad
+                    if group["weight_decay"]:
+                        grad = grad.add(p, alpha=group["weight_decay"])
+                    m.mul_(beta1).add_(grad, alpha=1 - beta1)
+                    if warm:
+                        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                denom = (v.sqrt() / math.sqrt(bias2)).add_(group["eps"])
+                p.addcdiv_(m, denom, value=-group["lr"] / bias1)
+        opt.momentum_ready.clear()
+
+
+def test_the_multi_tensor_step_is_the_per_parameter_loop_bit_for_bit():
+    """Two groups (one with weight decay), a parameter without a gradient, warmup then the
+    frozen second moment, and momenta QAdam already folded in backward (momentum_ready)."""
+    runs = []
+    for step_fn in (QAdamOptimizer.step, _reference_qadam_step):
+        model = make_model(seed=3)
+        ps = list(model.parameters())
+        opt = QAdamOptimizer([{"params": ps[:2], "weight_decay": 0.01},
+                              {"params": ps[2:], "lr": 0.05}], lr=0.02, warmup_steps=3)
+        for step in range(8):
+            opt.zero_grad()
+            loss_fn(model, *batch(step, 0)).backward()
+            ps[1].grad = None                  # a parameter this step did not reach
+            if step >= 3:                      # after warmup QAdam folds some momenta itself
+                for p in ps[::2]:
+                    opt.init_state(p)["exp_avg"].mul_(0.9).add_(p.grad, alpha=0.1)
+                    opt.momentum_ready.add(id(p))
+            step_fn(opt)
+        runs.append((params(model), [s["exp_avg"].clone() for s in opt.state.values()]))
+    (a, ma), (b, mb) = runs
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert len(ma) == len(mb) and all(torch.equal(x, y) for x, y in zip(ma, mb))

@@ -104,6 +104,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
                             p.grad.mul_(inv.to(p.grad.device))
             if self._under_qadam and not self.next_step_is_warmup():
                 self._qadam_average()             # the momentum fold, deferred to here
+        ready = self.momentum_ready
         for group in self.param_groups:
             group["step_id"] += 1
             t = group["step_id"]
@@ -111,22 +112,37 @@ class QAdamOptimizer(torch.optim.Optimizer):
             warm = t <= self.warmup_steps
             bias1 = 1 - beta1 ** t
             bias2 = 1 - beta2 ** min(t, self.warmup_steps)
+            # One multi-tensor call per operation over the group, not a Python loop of
+            # torch calls per parameter (the same kernels, in the same order, per tensor)
+            params, ms, vs, fold = [], [], [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
                 if "exp_avg" not in state:     # inline: no Python call per parameter
                     state = self.init_state(p)
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                if warm or id(p) not in self.momentum_ready:
-                    grad = p.grad
-                    if group["weight_decay"]:
-                        grad = grad.add(p, alpha=group["weight_decay"])
-                    m.mul_(beta1).add_(grad, alpha=1 - beta1)
-                    if warm:
-                        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denom = (v.sqrt() / math.sqrt(bias2)).add_(group["eps"])
-                p.addcdiv_(m, denom, value=-group["lr"] / bias1)
+                params.append(p)
+                ms.append(state["exp_avg"])
+                vs.append(state["exp_avg_sq"])
+                if warm or id(p) not in ready:
+                    fold.append(len(params) - 1)
+            if not params:
+                continue
+            if fold:
+                fp = [params[i] for i in fold]
+                fm, grads = [ms[i] for i in fold], [p.grad for p in fp]
+                if group["weight_decay"]:
+                    grads = torch._foreach_add(grads, fp, alpha=group["weight_decay"])
+                torch._foreach_mul_(fm, beta1)
+                torch._foreach_add_(fm, grads, alpha=1 - beta1)
+                if warm:
+                    fv = [vs[i] for i in fold]
+                    torch._foreach_mul_(fv, beta2)
+                    torch._foreach_addcmul_(fv, grads, grads, value=1 - beta2)
+            denom = torch._foreach_sqrt(vs)
+            torch._foreach_div_(denom, math.sqrt(bias2))
+            torch._foreach_add_(denom, group["eps"])
+            torch._foreach_addcdiv_(params, ms, denom, value=-group["lr"] / bias1)
         self.momentum_ready.clear()
         return loss
 
