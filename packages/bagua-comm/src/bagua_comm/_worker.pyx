@@ -4,14 +4,14 @@
 :class:`Worker` runs jobs one after another, in submission order (the same on every rank:
 multi-phase collectives stay matched across ranks), on one thread whose loop is compiled: a
 job is a Python callable (``GlooBackend.run``) or a compiled :class:`Job` (the compressed
-allreduce's :class:`CompressedJob`, LowPrecisionDecentralized's ring round
-:class:`RingJob`), whose ``run`` calls torch's process-group methods and the MinMaxUInt8
-kernels (``_minmax.pxd``) directly.  Jobs are
-handed over through a ``collections.deque`` and a ``_thread`` lock used as the worker's
-wake-up signal, and complete a :class:`Done` handle: all C, so a compiled job costs its
-submitter and the worker no Python frame.  Every decision that needs Python (argument checks,
-sizes, buffers, the torch option objects) was made when the job was built
-(``bagua_comm._compressed._job``, ``bagua_comm._ring``).
+allreduce's :class:`CompressedJob`, LowPrecisionDecentralized's ring round :class:`RingJob`,
+Decentralized's exchange :class:`AverageJob`), whose ``run`` calls torch's process-group
+methods and the MinMaxUInt8 kernels (``_minmax.pxd``) directly.  Jobs are handed over
+through a ``collections.deque`` and a ``_thread`` lock used as the worker's wake-up signal,
+and complete a :class:`Done` handle: all C, so a compiled job costs its submitter and the
+worker no Python frame.  Every decision that needs Python (argument checks, sizes, buffers,
+the torch option objects) was made when the job was built (``bagua_comm._compressed._job``,
+``bagua_comm._ring``, ``bagua_comm._peer_average``).
 """
 
 from collections import deque
@@ -401,6 +401,115 @@ cdef class RingJob(Job):
         with nogil:
             _minmax.decode_reduce_any(from_left, rec, chunks, 1, kind, tab, left, n, 4)
             _minmax.decode_reduce_any(from_right, rec, chunks, 1, kind, tab, right, n, 4)
+
+
+cdef inline float* _f32(t) except NULL:
+    return <float*><Py_ssize_t>t.data_ptr()
+
+
+cdef Py_ssize_t shift_one_peer(Py_ssize_t rank, Py_ssize_t size, Py_ssize_t r) noexcept:
+    """Bagua's ``shift_one`` pairing (``bagua_algos.algorithms.decentralized``): a rank of
+    the lower half meets one of the upper half, the pairing rotating by one every round."""
+    cdef Py_ssize_t half = size // 2
+    r = r % half
+    if rank < half:
+        return (rank + r) % half + half
+    return ((rank - half - r) % half + half) % half
+
+
+cdef class AverageJob(Job):
+    """Decentralized's exchange of one round over a layout's buckets, on gloo CPU float32
+    tensors: each bucket's weights copied into its buffer, then averaged with the peers:
+    ``all``: the buffers' allreduce sum (every one started, then each waited) divided by the
+    group's size; ``shift_one``: every buffer received from and sent to this round's peer
+    (:attr:`round`), then ``(mine + theirs) / 2``.  Bit for bit the Python path
+    (``DecentralizedImpl``: ``allreduce_inplace(AVG)``, ``exchange_shift_one``).
+    :meth:`copy_out` writes the averages into the weights (at the end of backward, on the
+    training thread).  Built by ``bagua_comm._peer_average``, which checked every size."""
+
+    cdef list weights, bufs, theirs, bufs1, theirs1, sizes
+    cdef object a_allreduce, a_recv, a_send, opts
+    cdef Py_ssize_t rank, size
+    cdef public Py_ssize_t round
+    cdef bint shift
+
+    def __init__(self, list weights, list bufs, list theirs, bint shift, Py_ssize_t rank,
+                 Py_ssize_t size, aux, opts):
+        self.weights, self.bufs, self.theirs = weights, bufs, theirs
+        self.bufs1 = [[b] for b in bufs]
+        self.theirs1 = [[t] for t in theirs]
+        self.sizes = [b.numel() for b in bufs]
+        self.shift, self.rank, self.size, self.round = shift, rank, size, 0
+        self.a_allreduce, self.a_recv, self.a_send = aux.allreduce, aux.recv, aux.send
+        self.opts = opts
+
+    cpdef run(self):
+        cdef Py_ssize_t i, j, n, k = len(self.bufs), peer
+        cdef float* b
+        cdef float* t
+        cdef float* w
+        cdef float size = <float>self.size
+        cdef float two = 2.0
+        for i in range(k):
+            w, b, n = _f32(self.weights[i]), _f32(self.bufs[i]), self.sizes[i]
+            with nogil:
+                memcpy(b, w, n * sizeof(float))
+        if not self.shift:
+            works = [self.a_allreduce(self.bufs1[i], self.opts) for i in range(k)]
+            for i in range(k):
+                works[i].wait()
+                b, n = _f32(self.bufs[i]), self.sizes[i]
+                with nogil:
+                    for j in range(n):
+                        b[j] = b[j] / size
+            return
+        # receives first, then sends, in bucket order (messages between two ranks match in
+        # their order), as ``exchange_shift_one`` posts them
+        peer = shift_one_peer(self.rank, self.size, self.round)
+        works = [self.a_recv(self.theirs1[i], peer, 0) for i in range(k)]
+        works += [self.a_send(self.bufs1[i], peer, 0) for i in range(k)]
+        for work in works:
+            work.wait()
+        for i in range(k):
+            b, t, n = _f32(self.bufs[i]), _f32(self.theirs[i]), self.sizes[i]
+            with nogil:
+                for j in range(n):
+                    b[j] = (b[j] + t[j]) / two
+
+    cpdef copy_out(self):
+        """The averaged buffers into the weights."""
+        cdef Py_ssize_t i, n
+        cdef float* b
+        cdef float* w
+        for i in range(len(self.bufs)):
+            w, b, n = _f32(self.weights[i]), _f32(self.bufs[i]), self.sizes[i]
+            with nogil:
+                memcpy(w, b, n * sizeof(float))
+
+
+cdef class RoundLauncher:
+    """Call it with a round number to start the :class:`AverageJob` it was built for: the
+    traffic is recorded (as ``primitive``) and the job handed to the group's worker; returns
+    its :class:`Done`.  :meth:`copy_out` is the job's, once that is done."""
+
+    cdef Worker worker
+    cdef AverageJob job
+    cdef object nbytes
+    cdef str primitive
+
+    def __init__(self, Worker worker, AverageJob job, nbytes, str primitive):
+        self.worker, self.job = worker, job
+        self.nbytes = int(nbytes)
+        self.primitive = primitive
+
+    def __call__(self, Py_ssize_t round_):
+        self.job.round = round_       # the previous round was waited for: the job is idle
+        with traffic._lock:
+            traffic._bytes[self.primitive] += self.nbytes
+        return self.worker.submit(self.job)
+
+    cpdef copy_out(self):
+        self.job.copy_out()
 
 
 cdef class CompressedLauncher:
