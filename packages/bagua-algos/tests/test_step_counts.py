@@ -1,5 +1,5 @@
-"""Host work of one GradientAllReduce, ByteGrad, QAdam and LowPrecisionDecentralized step
-against torch DDP's, by exact
+"""Host work of one GradientAllReduce, ByteGrad, QAdam, Decentralized and
+LowPrecisionDecentralized step against torch DDP's, by exact
 counts (issue #46): Python function calls over one training step (zero_grad, forward,
 backward, optimizer step) on every thread (bagua's worker threads included), the wrapped step
 minus the same step of the bare model with the same optimizer, measured in the same process
@@ -108,10 +108,11 @@ def test_gradient_allreduce_python_calls_within_twice_ddps(model):
 
 
 def _rank_compressed(dims):
-    """DDP's, ByteGrad's, QAdam's, LowPrecisionDecentralized's and DDP with bagua's ByteGrad
-    comm hook's calls (each against the bare model with its optimizer: SGD with momentum,
+    """DDP's, ByteGrad's, QAdam's, Decentralized's, LowPrecisionDecentralized's and DDP with
+    bagua's ByteGrad comm hook's calls (each against the bare model with its optimizer: SGD with momentum,
     QAdamOptimizer for QAdam, after its warmup)."""
-    from bagua_algos import ByteGrad, LowPrecisionDecentralized, QAdam, QAdamOptimizer
+    from bagua_algos import ByteGrad, Decentralized, LowPrecisionDecentralized, QAdam
+    from bagua_algos import QAdamOptimizer as QAdamOpt
     from bagua_algos.ddp_hooks import CompressionHookState, compressed_allreduce_hook
 
     _install()
@@ -123,7 +124,7 @@ def _rank_compressed(dims):
         return torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
 
     def qadam(m):
-        return QAdamOptimizer(m.parameters(), lr=1e-3, warmup_steps=2)
+        return QAdamOpt(m.parameters(), lr=1e-3, warmup_steps=2)
 
     bare = _model(dims)
     plain_sgd = _calls(bare, sgd(bare), x, y)
@@ -136,11 +137,12 @@ def _rank_compressed(dims):
     hooked.register_comm_hook(CompressionHookState(), compressed_allreduce_hook)
     out["ddp_hook"] = (_calls(hooked, sgd(hooked), x, y) - plain_sgd,
                        len(hooked.reducer._get_zeros_like_grad_buckets()))
-    for name in ("bytegrad", "qadam", "low_precision_decentralized"):
+    makers = {"bytegrad": ByteGrad, "decentralized": Decentralized,
+              "low_precision_decentralized": LowPrecisionDecentralized}
+    for name in ("bytegrad", "qadam", "decentralized", "low_precision_decentralized"):
         model = _model(dims)
         opt = qadam(model) if name == "qadam" else sgd(model)
-        algo = (QAdam(opt) if name == "qadam" else ByteGrad() if name == "bytegrad"
-                else LowPrecisionDecentralized())
+        algo = QAdam(opt) if name == "qadam" else makers[name]()
         wrapped = with_bagua(model, [opt], algo, bucket_size=BUCKET)
         plain = plain_qadam if name == "qadam" else plain_sgd
         out[name] = (_calls(wrapped, opt, x, y) - plain, len(wrapped.buckets))
@@ -149,11 +151,12 @@ def _rank_compressed(dims):
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_compressed_algorithms_and_the_ddp_hook_python_calls_within_four_times_ddps(model):
+def test_compressed_decentralized_and_hooked_python_calls_within_four_times_ddps(model):
     got = run_ranks(_rank_compressed, 2, args=(MODELS[model],), timeout=240)[0]
     ddp_calls, ddp_buckets = got["ddp"]
     assert ddp_calls > 0
-    for name in ("bytegrad", "qadam", "low_precision_decentralized", "ddp_hook"):
+    for name in ("bytegrad", "qadam", "decentralized", "low_precision_decentralized",
+                 "ddp_hook"):
         calls, buckets = got[name]
         assert buckets == ddp_buckets, (name, buckets, ddp_buckets)
         assert calls <= 4 * ddp_calls, (model, name, calls, ddp_calls)

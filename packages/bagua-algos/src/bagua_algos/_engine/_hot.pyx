@@ -265,5 +265,52 @@ cdef class WeightRound:
                 _set_grad_enabled(True)
 
 
+# -- Decentralized's exchange over the compiled average job ------------------------------------
+cdef class ExchangeRound:
+    """One round of ``DecentralizedImpl``'s compiled path, in two halves: :meth:`start` (at
+    the forward) does what ``gather_weights()`` does for every bucket (a parameter that is no
+    longer a view of its slot is copied in) and starts the exchange (``launch(round_)``,
+    ``bagua_comm._peer_average``), returning its handle; :meth:`finish` (at the end of
+    backward) waits for it, writes the averages into the flat weights (``launch.copy_out()``)
+    and does what ``scatter_weights()`` does; with autograd off, as under
+    ``torch.no_grad()``."""
+
+    cdef list params, views
+    cdef object launch
+
+    def __init__(self, list params, list views, launch):
+        self.params, self.views, self.launch = params, views, launch
+
+    def start(self, Py_ssize_t round_):
+        cdef bint grad_mode = _is_grad_enabled()
+        if grad_mode:
+            _set_grad_enabled(False)
+        try:
+            for ps, vs in zip(self.params, self.views):
+                for p, v in zip(ps, vs):
+                    if not _same_storage(p.data, v):
+                        v.copy_(p)
+        finally:
+            if grad_mode:
+                _set_grad_enabled(True)
+        return self.launch(round_)
+
+    def finish(self, work):
+        cdef bint grad_mode
+        work.wait()
+        self.launch.copy_out()
+        grad_mode = _is_grad_enabled()
+        if grad_mode:
+            _set_grad_enabled(False)
+        try:
+            for ps, vs in zip(self.params, self.views):
+                for p, v in zip(ps, vs):
+                    if not _same_storage(p.data, v):
+                        p.copy_(v)
+        finally:
+            if grad_mode:
+                _set_grad_enabled(True)
+
+
 cdef inline bint _same_storage(a, b):
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 
 import bagua_comm as bc
+from bagua_comm._peer_average import peer_average_launcher
 
+from .._engine import _hot
 from .._engine.checks import check_bool, check_interval
 from .._engine.comm import Reducer
 from ..algorithm import Algorithm, AlgorithmImpl
@@ -105,12 +107,46 @@ class DecentralizedImpl(AlgorithmImpl):
     def init_operations(self, ctx, buckets):
         self.buckets = buckets
         self.state.build(buckets, self.mode == "shift_one")
+        self._compiled_of = None      # new buffers: the compiled round is made again
 
     def should_communicate(self, ctx) -> bool:
         return (ctx.step - 1) % self.interval == 0
 
+    #: whether a layout may take the compiled path (tests compare it with the Python path)
+    compiled = True
+    _compiled_of = _compiled_round = None
+
+    def _compiled(self) -> _hot.ExchangeRound | None:
+        """The round as one compiled job (``bagua_comm._peer_average``: gloo CPU float32,
+        flat), made once per layout; None where it takes the Python path (hierarchical
+        among several nodes, NCCL, other dtypes, one rank)."""
+        key = (self.buckets, self.reducer.hierarchical)
+        if self._compiled_of is not None and self._compiled_of[0] is key[0] \
+                and self._compiled_of[1] == key[1]:
+            return self._compiled_round
+        self._compiled_of, self._compiled_round = key, None
+        if not self.compiled or self.reducer.hierarchical:
+            return None
+        st = self.state
+        weights = [b.gather_weights() for b in self.buckets]
+        theirs = st.received if self.mode == "shift_one" else []
+        launch = peer_average_launcher(weights, st.peer_weights, theirs, self.mode,
+                                       group=self.group)
+        if launch is None:
+            return None
+        self._compiled_round = _hot.ExchangeRound([list(b.params) for b in self.buckets],
+                                                  [b.weight_views() for b in self.buckets],
+                                                  launch)
+        return self._compiled_round
+
     def forward_pre_hook(self, ctx):
-        if self._work is not None or not self.should_communicate(ctx):
+        if self._work is not None or (ctx.step - 1) % self.interval:
+            return
+        compiled = self._compiled()
+        if compiled is not None:
+            # the weights are copied into the exchange buffers by the job, which runs before
+            # anything can change them: forward and backward only read them
+            self._work, self._finish = compiled.start(self.state.rounds), compiled.finish
             return
         st = self.state
         for b, peer in zip(self.buckets, st.peer_weights):
@@ -127,17 +163,20 @@ class DecentralizedImpl(AlgorithmImpl):
 
                 self.reducer.reduce_with(peer, among, average=True)
 
-        self._work = self.reducer.exchange(run)
+        self._work, self._finish = self.reducer.exchange(run), self._copy_back
 
-    def post_backward_hook(self, ctx):
-        if self._work is None:
-            return
-        work, self._work = self._work, None
+    def _copy_back(self, work) -> None:
         work.wait()
         with torch.no_grad():
             for b, peer in zip(self.buckets, self.state.peer_weights):
                 b.weight.copy_(peer)
                 b.scatter_weights()
+
+    def post_backward_hook(self, ctx):
+        if self._work is None:
+            return
+        work, self._work = self._work, None
+        self._finish(work)
         self.state.rounds += 1
 
     def state_dict(self):
