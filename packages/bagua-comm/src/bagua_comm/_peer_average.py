@@ -15,12 +15,10 @@ def peer_average_launcher(weights, bufs, theirs, mode, *, group=None):
     number starts the round on ``group``'s worker and returns its handle (``wait()``); its
     ``copy_out()`` then writes each ``bufs[i]`` into ``weights[i]``.
 
-    The round: ``bufs[i] = weights[i]``, then averaged with the peers: ``mode="all"``: the
-    allreduce sum over ``group`` divided by its size; ``mode="shift_one"``: received from
-    this round's ``shift_one`` peer into ``theirs[i]`` while sent to it, then
-    ``(bufs[i] + theirs[i]) / 2``.  The weights are read when the job runs: they must not
-    change between the call and the wait (Decentralized's forward and backward only read
-    them).
+    The round: ``bufs[i] = weights[i]`` (in the call), then, on the worker, averaged with the
+    peers: ``mode="all"``: the allreduce sum over ``group`` divided by its size;
+    ``mode="shift_one"``: received from this round's ``shift_one`` peer into ``theirs[i]``
+    while sent to it, then ``(bufs[i] + theirs[i]) / 2``.
 
     Compiled on gloo for CPU, contiguous, one-dimensional float32 tensors (``bufs[i]`` and,
     with ``shift_one``, ``theirs[i]`` of ``weights[i]``'s numel) in a group of two or more

@@ -419,10 +419,10 @@ cdef Py_ssize_t shift_one_peer(Py_ssize_t rank, Py_ssize_t size, Py_ssize_t r) n
 
 cdef class AverageJob(Job):
     """Decentralized's exchange of one round over a layout's buckets, on gloo CPU float32
-    tensors: each bucket's weights copied into its buffer, then averaged with the peers:
-    ``all``: the buffers' allreduce sum (every one started, then each waited) divided by the
-    group's size; ``shift_one``: every buffer received from and sent to this round's peer
-    (:attr:`round`), then ``(mine + theirs) / 2``.  Bit for bit the Python path
+    tensors: each bucket's buffer (the weights, copied in by :meth:`copy_in`) averaged with
+    the peers: ``all``: the buffers' allreduce sum (every one started, then each waited)
+    divided by the group's size; ``shift_one``: every buffer received from and sent to this
+    round's peer (:attr:`round`), then ``(mine + theirs) / 2``.  Bit for bit the Python path
     (``DecentralizedImpl``: ``allreduce_inplace(AVG)``, ``exchange_shift_one``).
     :meth:`copy_out` writes the averages into the weights (at the end of backward, on the
     training thread).  Built by ``bagua_comm._peer_average``, which checked every size."""
@@ -447,13 +447,8 @@ cdef class AverageJob(Job):
         cdef Py_ssize_t i, j, n, k = len(self.bufs), peer
         cdef float* b
         cdef float* t
-        cdef float* w
         cdef float size = <float>self.size
         cdef float two = 2.0
-        for i in range(k):
-            w, b, n = _f32(self.weights[i]), _f32(self.bufs[i]), self.sizes[i]
-            with nogil:
-                memcpy(b, w, n * sizeof(float))
         if not self.shift:
             works = [self.a_allreduce(self.bufs1[i], self.opts) for i in range(k)]
             for i in range(k):
@@ -476,6 +471,17 @@ cdef class AverageJob(Job):
                 for j in range(n):
                     b[j] = (b[j] + t[j]) / two
 
+    cpdef copy_in(self):
+        """The weights into the buffers (on the submitting thread, before the job: the
+        weights the caller's forward starts from)."""
+        cdef Py_ssize_t i, n
+        cdef float* b
+        cdef float* w
+        for i in range(len(self.bufs)):
+            w, b, n = _f32(self.weights[i]), _f32(self.bufs[i]), self.sizes[i]
+            with nogil:
+                memcpy(b, w, n * sizeof(float))
+
     cpdef copy_out(self):
         """The averaged buffers into the weights."""
         cdef Py_ssize_t i, n
@@ -489,8 +495,9 @@ cdef class AverageJob(Job):
 
 cdef class RoundLauncher:
     """Call it with a round number to start the :class:`AverageJob` it was built for: the
-    traffic is recorded (as ``primitive``) and the job handed to the group's worker; returns
-    its :class:`Done`.  :meth:`copy_out` is the job's, once that is done."""
+    weights are copied into the buffers, the traffic is recorded (as ``primitive``) and the
+    job handed to the group's worker; returns its :class:`Done`.  :meth:`copy_out` is the
+    job's, once that is done."""
 
     cdef Worker worker
     cdef AverageJob job
@@ -504,6 +511,7 @@ cdef class RoundLauncher:
 
     def __call__(self, Py_ssize_t round_):
         self.job.round = round_       # the previous round was waited for: the job is idle
+        self.job.copy_in()
         with traffic._lock:
             traffic._bytes[self.primitive] += self.nbytes
         return self.worker.submit(self.job)

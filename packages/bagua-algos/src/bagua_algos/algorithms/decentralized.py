@@ -144,8 +144,6 @@ class DecentralizedImpl(AlgorithmImpl):
             return
         compiled = self._compiled()
         if compiled is not None:
-            # the weights are copied into the exchange buffers by the job, which runs before
-            # anything can change them: forward and backward only read them
             self._work, self._finish = compiled.start(self.state.rounds), compiled.finish
             return
         st = self.state
