@@ -47,7 +47,9 @@ class Decentralized(Algorithm, name="decentralized"):
     The exchange of the weights a forward starts from runs during forward and backward; at the
     end of backward the weights become the average and the optimizer applies the local
     gradient: ``x <- mean_peers(x) - lr * grad(x)``.  ``hierarchical=True`` averages inside
-    each node first and exchanges among node leaders only.
+    each node first and exchanges among node leaders only.  On gloo CPU float32 (flat) the
+    exchange is one compiled job on the group's worker (``bagua_comm._peer_average``), with
+    the same results as the general path.
     """
 
     def __init__(self, hierarchical: bool = True, peer_selection_mode: str = "all",
