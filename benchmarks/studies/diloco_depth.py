@@ -10,8 +10,8 @@ Steps, not seconds: the network does not enter, so the figures hold on a loaded 
 Every row starts from the same weights and each rank sees the same batches in every row
 (the main job's: ``MarkovText`` small, 8 sequences per rank, Adam lr 2e-3).  The DDP row is
 ``GradientAllReduce`` (DDP's maths); its held-out loss after N steps is the target.  A DiLoCo
-row (4-bit outer gradient with error feedback, as ``recommend`` runs it) runs
-``2 x sync_every`` local steps: the held-out loss is the mean over the ranks' models, and at a
+row (4-bit outer gradient with error feedback, as ``recommend`` runs it) runs whole sync
+periods up to ``--max-x`` (default 2) times DDP's N steps, at least two: the held-out loss is the mean over the ranks' models, and at a
 sync, when they are one model, the loss the target is read against.
 
 Variants (comma-separated ``--variants``):
@@ -111,7 +111,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--ddp-steps", type=int, default=80, help="N: the target is DDP's loss "
                     "after N steps")
-    ap.add_argument("--sync-every", default="55,75", help="H values (each row runs 2H steps)")
+    ap.add_argument("--sync-every", default="55,75", help="H values")
+    ap.add_argument("--max-x", type=float, default=2.0, help="each row runs whole sync "
+                    "periods up to this many times N steps (at least two periods)")
     ap.add_argument("--variants", default="base,linear:0.1,cosine:0.1,outer:1.0:0.0")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--size", default="small")
@@ -135,9 +137,10 @@ def main(argv=None) -> dict:
           f"(the target)", flush=True)
     rows = []
     for h in hs:
+        periods = max(2, math.floor(args.max_x * args.ddp_steps / h))
         for v in variants:
             curve = run_ranks(
-                run_rank, args.ranks, args=(v, h, 2 * h, args.lr, args.size, every),
+                run_rank, args.ranks, args=(v, h, periods * h, args.lr, args.size, every),
                 timeout=3600)[0]
             syncs = [(s, loss) for s, loss in curve if s % h == 0]
             reached = next((s for s, loss in syncs if loss <= target), None)
