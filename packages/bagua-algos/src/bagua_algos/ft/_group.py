@@ -176,7 +176,7 @@ def collect_until_freed(held: list) -> int:
     in ``held`` (weak references) is still alive after that; returns the generation
     collected last.
 
-    A full collection walks every object of the process (torch's alone some 10^5: 0.1 s
+    A full collection walks every object of the process (torch's alone some 10^5: 0.13 s
     idle, 0.5 s at load 12 on 2 cores); run after every step voted down, it delayed that
     replica's next quorum request by as much (issue 45)."""
     gc.collect(1)
