@@ -21,6 +21,7 @@ import gc
 import json
 import socket
 import time
+import weakref
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -150,16 +151,36 @@ def release(group: bc.ProcessGroup | None) -> None:
         group.destroy()
 
 
-def close_connections(group: bc.ProcessGroup | None, pg) -> None:
+def close_connections(group: bc.ProcessGroup | None, pg) -> int | None:
     """Abort: close this replica's gloo connections now, so that a peer waiting in a
     collective with it fails at once ("Connection closed by peer") instead of after the
     collective timeout.  gloo's ``abort()`` leaves its sockets open (checked: the peer
     waited its full timeout); only the gloo group's destruction closes them, so every
     reference to it is dropped here (torchft's wrapper; the bagua group, which
-    ``bagua_comm`` keeps in its registry after ``destroy()``) and the cycles collected."""
+    ``bagua_comm`` keeps in its registry after ``destroy()``) and the garbage that still
+    holds it collected (:func:`collect_until_freed`).  Returns the deepest generation
+    collected (None: there was no group)."""
+    held = [weakref.ref(g) for g in (getattr(pg, "_pg", None), getattr(pg, "aux", None))
+            if g is not None]
     release(group)
     if group is not None:
         group.torch_group = group.aux_torch_group = None
     if pg is not None:
         pg.abort(errored=False)
+    return collect_until_freed(held) if held else None
+
+
+def collect_until_freed(held: list) -> int:
+    """Collect the young garbage (the failed step's exception, traceback, frames and
+    pending works, which can hold a gloo context), and the whole heap only where a group
+    in ``held`` (weak references) is still alive after that; returns the generation
+    collected last.
+
+    A full collection walks every object of the process (torch's alone some 10^5: 0.13 s
+    idle, 0.5 s at load 12 on 2 cores); run after every step voted down, it delayed that
+    replica's next quorum request by as much (issue 45)."""
+    gc.collect(1)
+    if all(ref() is None for ref in held):
+        return 1
     gc.collect()
+    return 2
