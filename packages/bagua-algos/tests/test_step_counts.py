@@ -1,5 +1,5 @@
 """Host work of one GradientAllReduce, ByteGrad, QAdam, Decentralized,
-LowPrecisionDecentralized and TopK step against torch DDP's, by exact
+LowPrecisionDecentralized, TopK and LowRank step against torch DDP's, by exact
 counts (issue #46): Python function calls over one training step (zero_grad, forward,
 backward, optimizer step) on every thread (bagua's worker threads included), the wrapped step
 minus the same step of the bare model with the same optimizer, measured in the same process
@@ -188,7 +188,7 @@ def _rank_sparse(dims, name):
     return ddp_calls, ddp_buckets, calls, buckets
 
 
-@pytest.mark.parametrize("name", ["topk"])
+@pytest.mark.parametrize("name", ["topk", "low_rank"])
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_sparse_algorithms_python_calls_within_four_times_ddps(model, name):
     ddp_calls, ddp_buckets, calls, buckets = run_ranks(_rank_sparse, 2,
