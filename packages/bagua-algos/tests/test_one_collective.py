@@ -134,7 +134,8 @@ def _low_rank_run():
         calls.append(len(issued))
     plans = wrapped.impl.plans
     out = {"calls": calls, "none": none, "buckets": len(plans),
-           "per_step": sum(1 + bool(matrices) for matrices, _ in plans)}
+           "per_step": sum(1 + bool(matrices) for matrices, _ in plans),
+           "compiled": wrapped.impl._compiled[-1] is not None}
     wrapped.detach_algorithm()
     return out
 
@@ -164,7 +165,8 @@ def _topk_run(variant: str):
                            else model.b.weight.grad.clone())
             opt.step()
         calls.append(len(issued))
-    out = {"calls": calls, "none": none, "b": b_grads, "buckets": len(wrapped.buckets)}
+    out = {"calls": calls, "none": none, "b": b_grads, "buckets": len(wrapped.buckets),
+           "compiled": wrapped.impl._compiled[2] is not None}
     wrapped.detach_algorithm()
     return out
 
@@ -266,9 +268,10 @@ def test_low_rank_carries_the_flags_in_its_first_allreduce(runs):
         assert res["none"] == [_expected_none(s) for s in range(4)]
         assert res["buckets"] > 1 and res["per_step"] > res["buckets"]   # P and Q somewhere
         # step 0 is the warm-up (start_step=1: one plain allreduce a bucket, the flags in
-        # the last); then P (+ flags) and Q; never a collective for the flags alone
+        # the last); then each bucket's compiled job (P with the flags, then Q) on the
+        # worker's channel: nothing on the group's own, never a collective for the flags
         assert res["calls"][0] == res["buckets"], res
-        assert res["calls"][2:] == [res["per_step"]] * 2, res
+        assert res["compiled"] and res["calls"][2:] == [0, 0], res
 
 
 @pytest.mark.parametrize("variant", ["topk", "topk momentum_u8"])
@@ -278,9 +281,13 @@ def test_topk_carries_the_flags_beside_its_indices(runs, variant):
         assert res["buckets"] > 1
         assert res["none"] == [_expected_none(s) for s in range(4)]
         # step 0, the warm-up: one allreduce a bucket (the flags in the last); then each
-        # bucket's two allgathers (indices with the flags, values); nothing for the flags
+        # bucket's two allgathers (indices, values; the flags ride beside the indices, or
+        # as extra entries in the compiled job, which runs on the worker's channel: nothing
+        # on the group's own); nothing for the flags
         assert res["calls"][0] == res["buckets"], res
-        assert res["calls"][2:] == [2 * res["buckets"]] * 2, res
+        per_step = 0 if variant == "topk" else 2 * res["buckets"]
+        assert res["compiled"] == (variant == "topk"), res
+        assert res["calls"][2:] == [per_step] * 2, res
     rank0, rank1 = runs[0][variant], runs[1][variant]
     for step in range(4):                 # b used on rank 0 at even steps: the same on both
         if step % 2:

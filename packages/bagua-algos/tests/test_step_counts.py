@@ -1,5 +1,5 @@
-"""Host work of one GradientAllReduce, ByteGrad, QAdam, Decentralized and
-LowPrecisionDecentralized step against torch DDP's, by exact
+"""Host work of one GradientAllReduce, ByteGrad, QAdam, Decentralized,
+LowPrecisionDecentralized, TopK and LowRank step against torch DDP's, by exact
 counts (issue #46): Python function calls over one training step (zero_grad, forward,
 backward, optimizer step) on every thread (bagua's worker threads included), the wrapped step
 minus the same step of the bare model with the same optimizer, measured in the same process
@@ -160,3 +160,40 @@ def test_compressed_decentralized_and_hooked_python_calls_within_four_times_ddps
         calls, buckets = got[name]
         assert buckets == ddp_buckets, (name, buckets, ddp_buckets)
         assert calls <= 4 * ddp_calls, (model, name, calls, ddp_calls)
+
+
+def _rank_sparse(dims, name):
+    """DDP's and ``name``'s (TopK, LowRank, default arguments) calls and buckets."""
+    from bagua_algos import Algorithm
+
+    _install()
+    g = torch.Generator().manual_seed(bc.get_rank())
+    x = torch.randn(8, dims[0], generator=g)
+    y = torch.randint(0, dims[-1], (8,), generator=g)
+
+    def sgd(m):
+        return torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
+
+    bare = _model(dims)
+    plain = _calls(bare, sgd(bare), x, y)
+    ddp = DDP(_model(dims), process_group=dist.group.WORLD, bucket_cap_mb=BUCKET / 2**20)
+    ddp_calls = _calls(ddp, sgd(ddp), x, y) - plain
+    ddp_buckets = len(ddp.reducer._get_zeros_like_grad_buckets())
+    model = _model(dims)
+    opt = sgd(model)
+    wrapped = with_bagua(model, [opt], Algorithm.init(name), bucket_size=BUCKET)
+    calls = _calls(wrapped, opt, x, y) - plain
+    buckets = len(wrapped.buckets)
+    wrapped.detach_algorithm()
+    return ddp_calls, ddp_buckets, calls, buckets
+
+
+@pytest.mark.parametrize("name", ["topk", "low_rank"])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_sparse_algorithms_python_calls_within_four_times_ddps(model, name):
+    ddp_calls, ddp_buckets, calls, buckets = run_ranks(_rank_sparse, 2,
+                                                       args=(MODELS[model], name),
+                                                       timeout=240)[0]
+    assert buckets == ddp_buckets
+    assert ddp_calls > 0
+    assert calls <= 4 * ddp_calls, (model, name, calls, ddp_calls)

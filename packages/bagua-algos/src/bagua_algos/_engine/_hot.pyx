@@ -6,6 +6,8 @@ In the steady state a backward enters Python only once per step (the engine's pl
 bucket starters, its end-of-backward callback and the last bucket's flags); the per-bucket
 starter of GradientAllReduce is C as well (:func:`bagua_comm.allreduce_launcher`), and so are
 ByteGrad's (bagua_comm's compiled compressed launcher) and QAdam's (:class:`FoldThenStart`).
+TopK's and LowRank's exchanges are jobs of this module (:class:`TopKRound`,
+:class:`LowRankRound`) that :class:`WorkerLauncher` hands to the group's gloo worker thread.
 :class:`ReadyLoop` keeps the per-step state; the Python engine (``engine.py``) owns the
 buckets, the layout and everything that is not per gradient.
 """
@@ -314,3 +316,179 @@ cdef class ExchangeRound:
 
 cdef inline bint _same_storage(a, b):
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+
+# -- TopK's sparse exchange, one compiled job per bucket --------------------------------------
+_topk = torch.topk
+_index_select = torch.index_select
+_norm = torch.linalg.vector_norm
+_INF = float("inf")
+_where = torch.where
+_add = torch.add
+_abs = torch.abs
+
+
+cdef class TopKRound:
+    """One bucket's TopK exchange (``TopKImpl.exchange`` without compressor or momentum, flat,
+    float32, gloo CPU), built by ``bagua_algos.algorithms._topk_round``, run on the group's
+    worker thread with no Python frame; the same torch operations on the same values, so
+    bit for bit the Python path.
+
+    ``nxt = residual + grad``; per group of equal-size slots (a strided view of ``|nxt|``,
+    or ``take`` of it), ``topk`` written into its rows of ``sent_idx`` (slots that send every
+    entry have their indices there already); the values picked (and, on the last bucket, the
+    flags) into ``values``; both allgathered over ``aux``; ``nxt`` loses what was sent; the
+    gathered pairs added in rank order into ``full`` (the bucket's ``grad_and_flags``, zeroed:
+    the flags' indices point past the gradients, so they come out summed); ``dense`` divided
+    (average); ``residual = nxt`` where ``dense`` is all finite.  Per step: 2 G + 12
+    torch operations (G groups; one more to carry the flags) and no Python call."""
+
+    cdef object grad, full, dense, residual, nxt, mag
+    cdef list groups                 # (rows or None, take index or None, k, offsets, out)
+    cdef object sent_idx, idx_k, values, vals_k, flags, flags_dst, all_idx, all_vals
+    cdef object gather, topv, topi
+    cdef object n
+    cdef bint average
+
+    def __init__(self, grad, full, dense, residual, nxt, mag, list groups, sent_idx, idx_k,
+                 values, vals_k, flags, flags_dst, all_idx, all_vals, gather, n, average):
+        self.grad, self.full, self.dense, self.residual = grad, full, dense, residual
+        self.nxt, self.mag, self.groups = nxt, mag, groups
+        self.sent_idx, self.idx_k, self.values, self.vals_k = sent_idx, idx_k, values, vals_k
+        self.flags, self.flags_dst = flags, flags_dst
+        self.all_idx, self.all_vals, self.gather = all_idx, all_vals, gather
+        self.n, self.average = n, average
+
+    def __call__(self):
+        _add(self.residual, self.grad, out=self.nxt)
+        _abs(self.nxt, out=self.mag)
+        for rows, take, k, offsets, out in self.groups:
+            if rows is None:
+                rows = self.mag.take(take)
+            _add(_topk(rows, k, 1, True, False)[1], offsets, out=out)
+        _index_select(self.nxt, 0, self.idx_k, out=self.vals_k)
+        if self.flags is not None:
+            self.flags_dst.copy_(self.flags)
+        w_idx = self.gather(self.all_idx, self.sent_idx)
+        w_val = self.gather(self.all_vals, self.values)
+        self.nxt.index_add_(0, self.idx_k, self.vals_k, alpha=-1)   # keep what was not sent
+        w_idx.wait()
+        w_val.wait()
+        self.full.zero_()
+        self.full.index_add_(0, self.all_idx, self.all_vals)       # rank order
+        if self.average:
+            self.dense.div_(self.n)
+        # an overflow on any rank reached every rank: keep the residual as it was (the
+        # inf-norm is NaN or infinite exactly where an entry is: 2 ops, isfinite's all 5)
+        _where(_norm(self.dense, _INF) < _INF, self.nxt, self.residual, out=self.residual)
+
+
+cdef class WorkerLauncher:
+    """Call it to hand ``job`` (a compiled callable) to ``worker`` (the group's
+    ``bagua_comm._worker.Worker``), recording ``nbytes`` sent by ``primitive``: returns the
+    job's completion handle."""
+
+    cdef object submit, job, lock, counts
+    cdef object nbytes
+    cdef str primitive
+
+    def __init__(self, worker, job, nbytes, str primitive):
+        from bagua_comm import traffic
+
+        self.submit, self.job = worker.submit, job
+        self.lock, self.counts = traffic._lock, traffic._bytes
+        self.nbytes, self.primitive = int(nbytes), primitive
+
+    def __call__(self):
+        with self.lock:
+            self.counts[self.primitive] += self.nbytes
+        return self.submit(self.job)
+
+
+# -- LowRank's power step, one compiled job per bucket ----------------------------------------
+_matmul = torch.matmul
+_qr = torch.linalg.qr
+_take = torch.take
+_reciprocal = torch.reciprocal
+_zeros_like = torch.zeros_like
+
+
+cdef class LowRankRound:
+    """One bucket's LowRank exchange (``LowRankImpl.exchange`` without compressor, warm
+    start, flat, float32, gloo CPU), built by ``bagua_algos.algorithms._low_rank_round``, run
+    on the group's worker thread with no Python frame: the Python path's products, QR and
+    allreduces per matrix, in its order, on the same values, into buffers made once.  What
+    is elementwise runs once over the bucket: the uncompressed runs moved by one ``take`` and
+    one ``put_`` (or a copy each, for one or two runs), the residuals and Q kept in one flat
+    buffer each (the ``LowRankImpl`` state's tensors are views of them) and updated by one
+    ``where`` each; with ``gather`` (three or more matrices) ``M = residual + G`` and
+    ``M -= M̂`` over all of them at once, ``M̂`` reaching the bucket by one ``put_``.
+    ``mats[i]`` is ``(M, residual, gradient, P, Mᵀ, Q, new Q, new Qᵀ, M̂ out, QR's Q, R)``;
+    ``QR's Q`` is None for a rank-1 factor (normalised in place, as ``orthogonalize``)."""
+
+    cdef object tensor, first, second, take_idx, first_plain
+    cdef object res_flat, m_flat, q_flat, gather, gbuf, approx
+    cdef list plain, mats
+    cdef object allreduce, opts
+    cdef object n
+    cdef bint average
+
+    def __init__(self, tensor, first, second, take_idx, first_plain, list plain, list mats,
+                 res_flat, m_flat, q_flat, gather, gbuf, approx, allreduce, opts, n, average):
+        self.tensor, self.first, self.second = tensor, first, second
+        self.take_idx, self.first_plain, self.plain, self.mats = take_idx, first_plain, plain, mats
+        self.res_flat, self.m_flat, self.q_flat = res_flat, m_flat, q_flat
+        self.gather, self.gbuf, self.approx = gather, gbuf, approx
+        self.allreduce, self.opts, self.n, self.average = allreduce, opts, n, average
+
+    cdef void _reduce(self, t) except *:
+        self.allreduce([t], self.opts).wait()
+        if self.average:
+            t.div_(self.n)
+
+    def __call__(self):
+        if self.take_idx is not None:
+            _take(self.tensor, self.take_idx, out=self.first_plain)
+        else:
+            for src, dst in self.plain:
+                dst.copy_(src)
+        if self.gather is not None:
+            _take(self.tensor, self.gather, out=self.gbuf)
+            _add(self.res_flat, self.gbuf, out=self.m_flat)
+        for m, res, grad, p, _m_t, q, _qn, _qnt, _out, _qq, _rr in self.mats:
+            if self.gather is None:
+                _add(res, grad, out=m)
+            _matmul(m, q, out=p)
+        self._reduce(self.first)
+        if self.take_idx is not None:
+            self.tensor.put_(self.take_idx, self.first_plain)
+        else:
+            for dst, src in self.plain:
+                dst.copy_(src)
+        if not self.mats:
+            return
+        for _m, _res, _grad, p, m_t, _q, q_new, _qnt, _out, qq, rr in self.mats:
+            if qq is None:
+                _normalise(p)
+                qq = p
+            else:
+                _qr(p, out=(qq, rr))
+            _matmul(m_t, qq, out=q_new)
+        self._reduce(self.second)
+        for m, _res, _grad, p, _m_t, _q, _qn, q_new_t, out, qq, _rr in self.mats:
+            _matmul(p if qq is None else qq, q_new_t, out=out)       # M̂
+            if self.gather is None:
+                m.sub_(out)
+        if self.gather is not None:
+            self.m_flat.sub_(self.approx)
+            self.tensor.put_(self.gather, self.approx)
+        # an overflow on any rank reached every rank: residuals and Q stay as they were
+        ok = _norm(self.second, _INF) < _INF
+        _where(ok, self.m_flat, self.res_flat, out=self.res_flat)
+        _where(ok, self.second, self.q_flat, out=self.q_flat)
+
+
+cdef _normalise(p):
+    """``low_rank.orthogonalize`` of one column: the same torch operations."""
+    norm = _norm(p)
+    p.mul_(_where(norm > 0, _reciprocal(norm) * 1, _zeros_like(norm)))

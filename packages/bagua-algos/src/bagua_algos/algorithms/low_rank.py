@@ -125,8 +125,13 @@ class LowRankImpl(AlgorithmImpl):
         self.rounds = 0                                # synchronised steps so far
         self.device = torch.device("cpu")
         self.scratch = Scratch()        # the next residuals (a skipped step drops them)
+        self.buckets: list = []
+        # (buckets, plans, q, residuals, compiled launchers or None), made once per layout
+        self._compiled: tuple | None = None
+        self._compiled_plan: tuple | None = None
 
     def init_operations(self, ctx, buckets):
+        self.buckets = buckets
         self.plans = [self.plan(b) for b in buckets]
         self.scratch.clear()
         self.device = buckets[0].device if buckets else torch.device("cpu")
@@ -153,10 +158,38 @@ class LowRankImpl(AlgorithmImpl):
         # the first allreduce (exact, elementwise) holds the flags: no collective of their own
         return True
 
+    def _launchers(self) -> list | None:
+        """This layout's compiled exchanges (``_low_rank_round``), or None where the Python
+        path runs (the same answer on every rank: it depends on the configuration only).
+        Remade when the layout or the state's tensors change (a load)."""
+        from . import _low_rank_round
+
+        key = (self.buckets, self.plans, self.q, self.residuals)
+        cached = self._compiled
+        if cached is None or any(a is not b for a, b in zip(cached, key)):
+            got = (_low_rank_round.launchers(self, self.buckets)
+                   if _low_rank_round.eligible(self, self.buckets) else None)
+            cached = self._compiled = (*key, got)
+        return cached[-1]
+
+    def bucket_launchers(self, ctx, buckets):
+        compiled = (self._launchers() if self.rounds >= self.algo.start_step
+                    and self.group.size > 1 else None)
+        if compiled is None or buckets is not self.buckets:
+            return super().bucket_launchers(ctx, buckets)
+        out = self._compiled_plan
+        if out is None or out[0] is not compiled:
+            out = self._compiled_plan = (compiled, [(None, c) for c in compiled])
+        return out[1]
+
     def bucket_ready_hook(self, ctx, bucket):
         if self.group.size == 1:
             return None
         tensor, plan = bucket.grad_and_flags, self.plans[bucket.index]
+        if self.rounds >= self.algo.start_step:     # a joined rank's start too: the same path
+            compiled = self._launchers()
+            if compiled is not None:
+                return compiled[bucket.index]()
         if self.rounds < self.algo.start_step:      # warm-up: the exact average
             return self.reducer.exchange(
                 lambda: bc.allreduce_inplace(tensor, self.op, group=self.group))

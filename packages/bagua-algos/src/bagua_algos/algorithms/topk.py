@@ -14,6 +14,7 @@ from .._engine.comm import Reducer
 from .._engine.overflow import Scratch, keep_if_finite
 from .._engine.state import export_flat, import_flat
 from ..algorithm import Algorithm, AlgorithmImpl
+from . import _topk_round
 from ._shared import check_compressor, check_no_error_feedback
 
 
@@ -137,9 +138,12 @@ class TopKImpl(AlgorithmImpl):
         self.velocities: list[torch.Tensor] = []      # momentum correction's u (momentum > 0)
         self.slots: list[list[tuple[int, int, int]]] = []
         self.scratch = Scratch()    # the next residual / velocity (a skipped step drops them)
+        # (buckets, residuals, compiled launchers or None), made once per layout
+        self._compiled: tuple | None = None
 
     def init_operations(self, ctx, buckets):
         self.buckets = buckets
+        self._compiled = None
         self.scratch.clear()
         self.slots = [plan(b, self.density) for b in buckets]
         self.residuals = [torch.zeros(b.padded_numel, dtype=torch.float32, device=b.device)
@@ -171,8 +175,33 @@ class TopKImpl(AlgorithmImpl):
         # node-level reduce and broadcast do not cover them, so the module checks them itself
         return self.group.size > 1 and not self.reducer.hierarchical
 
+    def _launchers(self) -> list | None:
+        """This layout's compiled exchanges (``_topk_round``), or None where the Python path
+        runs (the same answer on every rank: it depends on the configuration only)."""
+        cached = self._compiled
+        if cached is None or cached[0] is not self.buckets or cached[1] is not self.residuals:
+            got = (_topk_round.launchers(self, self.buckets)
+                   if _topk_round.eligible(self, self.buckets) else None)
+            cached = self._compiled = (self.buckets, self.residuals, got)
+        return cached[2]
+
+    def bucket_launchers(self, ctx, buckets):
+        compiled = self._launchers() if self.rounds >= self.start_step else None
+        if compiled is None or buckets is not self.buckets:
+            return super().bucket_launchers(ctx, buckets)
+        out = self._compiled_plan
+        if out is None or out[0] is not compiled:
+            out = self._compiled_plan = (compiled, [(None, c) for c in compiled])
+        return out[1]
+
+    _compiled_plan: tuple | None = None
+
     def bucket_ready_hook(self, ctx, bucket):
         tensor, i = bucket.grad, bucket.index
+        if self.rounds >= self.start_step:     # a joined rank's start too: the same path
+            compiled = self._launchers()
+            if compiled is not None:
+                return compiled[i]()
         # the last bucket's flags, when this step carries them (the module asked just now)
         flags = bucket.flags if bucket.flags is not None and self.carries_unused_flags(ctx) \
             else None
