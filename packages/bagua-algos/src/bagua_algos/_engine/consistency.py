@@ -18,6 +18,8 @@ import torch
 
 import bagua_comm as bc
 
+from .small import gather_small
+
 _SIMPLE = (bool, int, float, str, type(None))
 
 
@@ -111,7 +113,7 @@ def digest_words(d: bytes) -> list[int]:
 
 def already_equal(module: torch.nn.Module, optimizers, group: bc.ProcessGroup) -> bool:
     """Whether every rank of ``group`` already holds the same parameters, buffers and
-    optimizer state (one allgather of each rank's :func:`digest`): with_bagua's broadcast of
+    optimizer state (each rank's :func:`digest` sent to every peer: one round): with_bagua's broadcast of
     rank 0's would then move equal values (ranks seeded alike, the usual start), seconds on
     a slow link.  Gloo groups only, whose tensors are on the CPU; an NCCL group answers
     False without communicating (a digest of device memory would copy it to the host)."""
@@ -120,24 +122,20 @@ def already_equal(module: torch.nn.Module, optimizers, group: bc.ProcessGroup) -
     mine = digest(list(module.parameters()), list(module.buffers()),
                   [opt.state_dict() for opt in optimizers])
     words = torch.tensor(digest_words(mine), dtype=torch.int64)
-    every = torch.empty(words.numel() * group.size, dtype=torch.int64)
-    bc.allgather(words, every, group=group)
-    return bool((every.view(group.size, -1) == words).all())
+    return bool((gather_small(words, group) == words).all())
 
 
 def check_same_on_every_rank(config: dict[str, str], group: bc.ProcessGroup) -> None:
     """Raise the same ``ValueError`` on every rank when any rank's ``config`` differs from
-    rank 0's (nothing else has been sent yet).  One allgather of a 16-byte digest of each
-    rank's ``config`` when they agree (the usual case: every collective costs the group's
+    rank 0's (nothing else has been sent yet).  A 16-byte digest of each rank's ``config``
+    sent to every peer (one round, :func:`gather_small`) when they agree (the usual case: every collective costs the group's
     latency rounds, ~0.3 s each at 50 ms one way on 4 hosts); only when they do not, rank 0's
     description is broadcast and a MAX of one flag per field names what differs."""
     if group.size == 1:
         return
     whole = hashlib.sha256(repr(sorted(config.items())).encode()).digest()[:DIGEST_BYTES]
     words = torch.tensor(digest_words(whole), dtype=torch.int64)
-    every = torch.empty(words.numel() * group.size, dtype=torch.int64)
-    bc.allgather(words, every, group=group)
-    if bool((every.view(group.size, -1) == words).all()):
+    if bool((gather_small(words, group) == words).all()):
         return
     fields = list(config)
     reference = bc.broadcast_object(config if group.rank == 0 else None, 0, group=group)
