@@ -65,6 +65,12 @@ DILOCO_STEPS_PER_LOG_H = 0.16
 #: Syncs a planned run holds at least: on the map no run reached a deep target with one (the
 #: anchor's outer step then acts once), two sufficed at H=65 and H=100
 DILOCO_MIN_SYNCS = 2
+#: The shortest sync period recommend plans.  At H = 2 DiLoCo (outer lr 0.7, momentum 0.5)
+#: needed more steps than the steps factor says (112 to DDP's loss after 80 steps, where
+#: H = 4 needed 96, H = 6-10 90, H = 20 100; benchmarks/studies/diloco_depth.py), and a sync
+#: every other step pays the sync's host work (outer step, codec) half the steps: at
+#: 300 Mbit/s, 0 ms on 4 hosts H = 2 took 29.9 s where ByteGrad took 19.5 s
+DILOCO_MIN_SYNC_EVERY = 4
 #: Headroom on the predicted steps: the target is reached only at a sync, so a plan whose
 #: last sync falls just short of ``factor x total_steps`` costs a whole extra period
 DILOCO_PLAN_MARGIN = 1.1
@@ -125,11 +131,11 @@ def diloco_plan(sync_s: float, compute_s: float, total_steps: int, *,
     ``min_syncs`` up (H down to 2) is priced; the cheapest wins, ties (within 2%) to fewer
     syncs: a sync's host work (the outer step, the codec) comes on top of ``sync_s`` as
     callers estimate it (measured on the map: 0.15-0.2 s a sync at 100 Mbit/s where DDP's
-    allreduce / 8 said 0.09).  H within [2, 512]."""
+    allreduce / 8 said 0.09).  H within [:data:`DILOCO_MIN_SYNC_EVERY`, 512]."""
     n = max(1, int(total_steps))
     plans = []
     for k in range(max(1, min_syncs), n + 1):
-        h = max(2, math.ceil(margin * n / k))
+        h = max(DILOCO_MIN_SYNC_EVERY, math.ceil(margin * n / k))
         for _ in range(8):         # the factor grows with H: settle the fixed point
             need = math.ceil(margin * n * diloco_steps_factor(h) / k)
             if need <= h:
@@ -137,7 +143,7 @@ def diloco_plan(sync_s: float, compute_s: float, total_steps: int, *,
             h = need
         h = min(512, h)
         plans.append(DiLoCoPlan(h, k * h, k, k * h * compute_s + k * max(0.0, sync_s)))
-        if h <= 2:
+        if h <= DILOCO_MIN_SYNC_EVERY:
             break
     fastest = min(p.time_s for p in plans)
     return min((p for p in plans if p.time_s <= 1.02 * fastest), key=lambda p: p.syncs)
@@ -150,13 +156,14 @@ def diloco_sync_every(comm_s: float, compute_s: float, overhead: float = 0.1, *,
     ``comm_s``.  With ``total_steps`` (the run's planned optimizer steps: DDP's steps to the
     loss the run aims at), the H of :func:`diloco_plan`: the fewest seconds to that loss.
     Without it, the run's length is unknown: one sync spread over H steps adds at most
-    ``overhead`` (10%) of their compute, H >= comm / (overhead x compute).  Within [2, 512].
+    ``overhead`` (10%) of their compute, H >= comm / (overhead x compute).  Within
+    [:data:`DILOCO_MIN_SYNC_EVERY`, 512].
     The main job's DiLoCo rows use this same rule (benchmarks/e2e/_e2e_rows.py), told DDP's
     steps to the deepest target."""
     if total_steps is not None:
         return diloco_plan(comm_s, compute_s, total_steps, min_syncs=min_syncs).sync_every
     want = math.ceil(max(0.0, comm_s) / (overhead * max(compute_s, 1e-6)))
-    return int(min(512, max(2, want)))
+    return int(min(512, max(DILOCO_MIN_SYNC_EVERY, want)))
 
 
 #: Scores within this ratio of the exact algorithm's count as a tie (it wins); wider when the
