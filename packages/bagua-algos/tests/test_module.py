@@ -229,12 +229,13 @@ def _wrap_traffic(differ):
 @pytest.mark.parametrize("differ", [None, "buffer", "optimizer"])
 def test_the_wrap_broadcasts_only_when_the_ranks_differ(differ):
     """Ranks that already hold the same parameters, buffers and optimizer state (seeded
-    alike) get nothing broadcast: one allgather of digests proves it; one differing element
-    anywhere and rank 0's state is broadcast, as before."""
+    alike) get nothing broadcast: their digests, sent straight to every peer, prove it; one
+    differing element anywhere and rank 0's state is broadcast, as before."""
     (b0, sent0, s0), (b1, _, s1) = run_ranks(_wrap_traffic, 2, args=(differ,))
     assert all(torch.equal(x, y) for x, y in zip(s0, s1))
     if differ is None:
         assert b0 == b1 == 0, sent0
-        assert sent0.get("allgather", 0) > 0
+        # the configuration's and the state's 16-byte digests to the one peer, nothing else
+        assert sent0 == {"send": 32}, sent0
     else:
         assert b0 > 0 and b1 == 0, sent0
