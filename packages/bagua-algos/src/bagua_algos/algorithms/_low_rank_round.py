@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .._engine import _hot
-from .low_rank import initial_q
+from ._shared import initial_q
 
 
 def eligible(impl, buckets) -> bool:

@@ -8,13 +8,15 @@ compressor's ``key``.  ``bagua_comm.compressed_allreduce`` keeps a compressor's 
 reduces); compressors that keep residuals as ``state_dict()["residuals"][key]`` (as
 ``MinMaxUInt8`` does) have them carried across re-bucketing and checkpoints at another bucket
 size, parameter by parameter.  Other compressor state is kept as is when the layout is
-unchanged and reset (with a warning) when it changes.
+unchanged and reset (with a warning) when it changes.  Also LowRank's seeded initial factor
+(:func:`initial_q`), which its Python path and its compiled round both draw.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import zlib
 
 import torch
 
@@ -260,3 +262,11 @@ def reset_residuals_note(state) -> str | None:
                 "resume at the same world size, save optimizer.state_dict() on every rank "
                 "and load each rank's own file)")
     return None
+
+
+def initial_q(name: str, m: int, r: int, seed: int, draw: int, device) -> torch.Tensor:
+    """A standard normal ``m x r`` factor, the same on every rank: seeded by the parameter's
+    name (not its bucket), ``seed`` and ``draw`` (the step, without warm start)."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()) * 7919
+                                         + draw) % 2 ** 63)
+    return torch.randn(m, r, generator=gen).to(device)

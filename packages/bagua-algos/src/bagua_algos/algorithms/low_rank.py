@@ -3,8 +3,6 @@ feedback and warm start; its state is keyed by parameter name."""
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 
 import bagua_comm as bc
@@ -13,7 +11,7 @@ from .._engine.checks import check_bool, check_int_at_least, check_number
 from .._engine.comm import Reducer
 from .._engine.overflow import Scratch
 from ..algorithm import Algorithm, AlgorithmImpl
-from ._shared import check_chunks, check_compressor, check_no_error_feedback
+from ._shared import check_chunks, check_compressor, check_no_error_feedback, initial_q
 
 
 class LowRank(Algorithm, name="low_rank"):
@@ -80,14 +78,6 @@ def matrix_shape(p: torch.Tensor) -> tuple[int, int] | None:
     if p.dim() < 2 or p.numel() == 0:       # vectors, and zero-size tensors: nothing to factor
         return None
     return p.shape[0], p.numel() // p.shape[0]
-
-
-def initial_q(name: str, m: int, r: int, seed: int, draw: int, device) -> torch.Tensor:
-    """A standard normal ``m x r`` factor, the same on every rank: seeded by the parameter's
-    name (not its bucket), ``seed`` and ``draw`` (the step, without warm start)."""
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()) * 7919
-                                         + draw) % 2 ** 63)
-    return torch.randn(m, r, generator=gen).to(device)
 
 
 def orthogonalize(p: torch.Tensor) -> None:
