@@ -113,8 +113,8 @@ def digest_words(d: bytes) -> list[int]:
 
 def already_equal(module: torch.nn.Module, optimizers, group: bc.ProcessGroup) -> bool:
     """Whether every rank of ``group`` already holds the same parameters, buffers and
-    optimizer state (each rank's :func:`digest` sent to every peer: one round): with_bagua's broadcast of
-    rank 0's would then move equal values (ranks seeded alike, the usual start), seconds on
+    optimizer state (each rank's :func:`digest` sent to every peer: one round): with_bagua's
+    broadcast of rank 0's would then move equal values (ranks seeded alike, the usual start), seconds on
     a slow link.  Gloo groups only, whose tensors are on the CPU; an NCCL group answers
     False without communicating (a digest of device memory would copy it to the host)."""
     if group.size == 1 or group.backend != "gloo":
@@ -128,8 +128,9 @@ def already_equal(module: torch.nn.Module, optimizers, group: bc.ProcessGroup) -
 def check_same_on_every_rank(config: dict[str, str], group: bc.ProcessGroup) -> None:
     """Raise the same ``ValueError`` on every rank when any rank's ``config`` differs from
     rank 0's (nothing else has been sent yet).  A 16-byte digest of each rank's ``config``
-    sent to every peer (one round, :func:`gather_small`) when they agree (the usual case: every collective costs the group's
-    latency rounds, ~0.3 s each at 50 ms one way on 4 hosts); only when they do not, rank 0's
+    sent to every peer (one round, :func:`gather_small`) when they agree (the usual case:
+    every collective costs the group's latency rounds, ~0.3 s each at 50 ms one way on 4
+    hosts); only when they do not, rank 0's
     description is broadcast and a MAX of one flag per field names what differs."""
     if group.size == 1:
         return

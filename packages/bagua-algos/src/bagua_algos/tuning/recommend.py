@@ -128,7 +128,7 @@ def diloco_plan(sync_s: float, compute_s: float, total_steps: int, *,
     ``time = steps x compute_s + syncs x sync_s``: DiLoCo needs
     ``margin x diloco_steps_factor(H) x total_steps`` steps, and reaches the target at a sync,
     so with ``k`` syncs H is the smallest with ``k x H`` at least that.  Every ``k`` from
-    ``min_syncs`` up (H down to 2) is priced; the cheapest wins, ties (within 2%) to fewer
+    ``min_syncs`` up (H down to :data:`DILOCO_MIN_SYNC_EVERY`) is priced; the cheapest wins, ties (within 2%) to fewer
     syncs: a sync's host work (the outer step, the codec) comes on top of ``sync_s`` as
     callers estimate it (measured on the map: 0.15-0.2 s a sync at 100 Mbit/s where DDP's
     allreduce / 8 said 0.09).  H within [:data:`DILOCO_MIN_SYNC_EVERY`, 512]."""
