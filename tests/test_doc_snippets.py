@@ -186,16 +186,30 @@ def blocks() -> list[tuple[str, str | None, str | None, str]]:
 BLOCKS = blocks()
 
 
-def _run_all(todo, port0):
-    """On each rank: run every block in turn; return {id: (traceback or None, seconds)}."""
+def _run_all(todo, store_path):
+    """On each rank: run every block in turn; return {id: (traceback or None, seconds)}.
+
+    After each block the two ranks tell each other how it went (a file store, bounded wait):
+    a block that failed on one rank only would otherwise leave the other in a collective or
+    the closing barrier until the group's timeout. If the other rank does not answer within
+    ``_AGREE_S``, this rank raises with what it knows, which ends the run with that message."""
     import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
 
     import bagua_comm as bc
 
+    rank = int(os.environ["RANK"])
+    store = dist.FileStore(store_path, 2)
     results = {}
     home = os.getcwd()
-    for i, (ident, setup, code) in enumerate(todo):
-        os.environ["MASTER_PORT"] = str(port0 + i)
+    for ident, setup, code in todo:
+        # a port free now, not one of a range picked at the start: gloo's listeners (ephemeral
+        # ports) could take one, rank 0's store then fails to bind and rank 1 hangs connecting
+        if rank == 0:
+            store.set(f"{ident}/port", str(_free_port()))
+        os.environ["MASTER_PORT"] = store.get(f"{ident}/port").decode()
         ns = {"__name__": "__main__"}
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
@@ -209,19 +223,29 @@ def _run_all(todo, port0):
                 results[ident] = traceback.format_exc(limit=-4)
             finally:
                 os.chdir(home)
-                if bc.is_initialized():
-                    if results[ident] is None:
-                        bc.barrier()
-                    bc.destroy_process_group()
+            store.set(f"{ident}/{rank}", "ok" if results[ident] is None else "failed")
+            try:
+                store.wait([f"{ident}/{1 - rank}"], timedelta(seconds=_AGREE_S))
+                other_ok = store.get(f"{ident}/{1 - rank}") == b"ok"
+            except RuntimeError:      # the other rank is stuck in the block
+                raise RuntimeError(f"{ident}: rank {1 - rank} did not finish within "
+                                   f"{_AGREE_S} s of rank {rank}; rank {rank}'s outcome: "
+                                   f"{results[ident] or 'ok'}") from None
+            if bc.is_initialized():
+                if results[ident] is None and other_ok:
+                    bc.barrier()
+                bc.destroy_process_group()
         results[ident] = (results[ident], time.perf_counter() - t0)
     return results
 
 
-def _free_port_range(n: int) -> int:
+_AGREE_S = 120
+
+
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        base = s.getsockname()[1]
-    return base if base + n < 65000 else 20000
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -233,9 +257,11 @@ def outcomes(request):
                 if getattr(item, "callspec", None) and "ident" in item.callspec.params}
     todo = [(ident, setup, code) for ident, setup, skip, code in BLOCKS
             if skip is None and ident in selected]
-    port0 = _free_port_range(len(todo))
     env = {"MASTER_ADDR": "127.0.0.1", "PYTHONWARNINGS": "ignore"}
-    per_rank = run_ranks(_run_all, 2, args=(todo, port0), init=False, env=env, timeout=600)
+    with tempfile.TemporaryDirectory() as tmp:
+        # below pytest-timeout's 600 s, so that a hang reports where each rank is
+        per_rank = run_ranks(_run_all, 2, args=(todo, os.path.join(tmp, "outcomes")),
+                             init=False, env=env, timeout=480)
     slowest = sorted(todo, key=lambda b: -per_rank[0][b[0]][1])[:5]
     print("slowest blocks:", [(b[0], round(per_rank[0][b[0]][1], 1)) for b in slowest])
     return {ident: per_rank[0][ident][0] or per_rank[1][ident][0] for ident, _, _ in todo}

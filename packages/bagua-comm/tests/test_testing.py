@@ -62,6 +62,21 @@ def test_timeout_kills_every_rank():
     assert time.monotonic() - start < 30
 
 
+def _hang_on_rank_one():
+    if bc.get_rank() == 1:
+        time.sleep(600)
+    return "done"
+
+
+def test_a_timeout_reports_where_the_missing_rank_hangs():
+    with pytest.raises(RankFailure, match=r"waiting for ranks \[1\]") as info:
+        run_ranks(_hang_on_rank_one, 2, timeout=5)
+    text = str(info.value)
+    stacks = text.split("--- rank 1 ---", 1)[1]
+    assert "in _hang_on_rank_one" in stacks  # the function and line it sleeps in
+    assert "--- rank 0 ---" not in text      # rank 0 had reported
+
+
 def test_a_crashed_rank_is_reported():
     with pytest.raises(RankFailure, match="rank 0 died"):
         run_ranks(_crash, 2, timeout=50)

@@ -9,10 +9,12 @@ and the parent raises :class:`RankFailure` carrying the child's own traceback.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
+import signal
 import tempfile
 import time
 import traceback
@@ -26,6 +28,9 @@ class RankFailure(AssertionError):
 def _child(rank, world_size, local_world_size, store_path, backend, init, threads, env,
            fn, args, kwargs, conn, pg_timeout=120.0):
     try:
+        # on a timeout the parent sends SIGUSR2 and reports where every thread of this rank was
+        stacks = open(_stacks_path(store_path, rank), "w")  # noqa: SIM115 (open for life)
+        faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
         os.environ.update(env)
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                            "LOCAL_RANK": str(rank % local_world_size),
@@ -94,7 +99,7 @@ def run_ranks(fn, world_size: int = 2, *, args=(), kwargs=None, timeout: float =
             procs.append(p)
             conns[parent_end] = rank
         try:
-            return _collect(procs, conns, world_size, timeout)
+            return _collect(procs, conns, world_size, timeout, store_path)
         finally:
             for p in procs:
                 if p.is_alive():
@@ -103,7 +108,28 @@ def run_ranks(fn, world_size: int = 2, *, args=(), kwargs=None, timeout: float =
                 p.join(timeout=10)
 
 
-def _collect(procs, conns, world_size, timeout):
+def _stacks_path(store_path, rank):
+    return f"{store_path}.stacks{rank}"
+
+
+def _stacks(procs, store_path, ranks):
+    """Where each of ``ranks`` is now: every thread's Python stack (faulthandler's dump)."""
+    for rank in ranks:
+        if procs[rank].is_alive():
+            os.kill(procs[rank].pid, signal.SIGUSR2)
+    time.sleep(1.0)
+    out = []
+    for rank in ranks:
+        try:
+            with open(_stacks_path(store_path, rank)) as f:
+                text = f.read().strip()
+        except OSError:
+            text = ""
+        out.append(f"--- rank {rank} ---\n{text or '(no stack dumped)'}")
+    return "\n".join(out)
+
+
+def _collect(procs, conns, world_size, timeout, store_path):
     results: dict[int, object] = {}
     deadline = time.monotonic() + timeout
     pending = dict(conns)
@@ -113,7 +139,8 @@ def _collect(procs, conns, world_size, timeout):
         if remaining <= 0:
             missing = sorted(pending.values())
             raise RankFailure(f"timed out after {timeout:.0f}s waiting for ranks {missing}; "
-                              "all ranks were killed")
+                              "all ranks were killed. Their stacks:\n"
+                              + _stacks(procs, store_path, missing))
         ready = mpc.wait(list(pending) + list(sentinels), timeout=remaining)
         for obj in ready:
             if obj in pending:
