@@ -332,3 +332,69 @@ def test_a_row_stops_at_its_first_evaluation_that_reaches_the_deepest_target(tmp
         assert loss <= deepest, (a, loss, deepest)
         assert len(ref) > len(curve) and whole[a]["steps_run"] > step   # it did save steps
         assert [(s, v) for s, _, v in curve] == [(s, v) for s, _, v in ref[:len(curve)]], a
+
+
+def test_a_hiding_row_overlaps_the_steps_its_sync_takes():
+    """``diloco_u4_m05_hide``: overlap_steps = the sync's two slow-start exchanges plus its
+    bytes, in steps of compute (at most H - 1; 1 where the link is not known)."""
+    import math
+
+    from _e2e_rows import HIDING_ROWS, OUTER_BYTES, SYNC_ROWS, bagua_spec, hidden_sync_steps
+
+    net = {"bandwidth_mbit": 100, "latency_ms": 100, "nodes": 4, "model_bytes": 5.76e6}
+    per_peer = 5.76e6 / 8 / 4                              # 180 kB, 4 bits, 1/4 each
+    trips = 1 + math.log2(per_peer / (10 * 1448))          # slow start from 10 segments
+    sync_s = 2 * trips * 0.1 + 1.5 * 5.76e6 / 8 / 12.5e6   # two exchanges + the ring's bytes
+    assert 0.9 < sync_s < 1.1
+    assert hidden_sync_steps(75, 0.066, net) == math.ceil(sync_s / 0.066)
+    assert hidden_sync_steps(8, 0.066, net) == 7          # below H
+    assert hidden_sync_steps(75, 0.066, None) == 1
+    assert "diloco_u4_m05_hide" in HIDING_ROWS and "diloco_u4_m05_hide" in SYNC_ROWS
+    assert OUTER_BYTES["diloco_u4_m05_hide"] == 1 / 8
+    name, kw = bagua_spec("diloco_u4_m05_hide", 1, world=4)
+    assert name == "diloco" and kw["outer_momentum"] == 0.5 and kw["compressor"].chunks == 4
+
+
+def _anchor_after_landing():
+    import torch
+    from _e2e_worker import _anchor_snapshot
+
+    import bagua_algos
+    import bagua_comm as bc
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    algo = bagua_algos.Algorithm.init("diloco", sync_every=3, outer_lr=1.0, outer_momentum=0.0,
+                                      nesterov=False, overlap_steps=1)
+    wrapped = bagua_algos.with_bagua(model, [opt], algo)
+    g = torch.Generator().manual_seed(1 + bc.get_rank())
+    started = None
+    for step in range(1, 5):
+        opt.zero_grad()
+        wrapped(torch.randn(4, 6, generator=g)).pow(2).sum().backward()
+        opt.step()
+        if step == 3:      # the sync starts from these parameters
+            started = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    anchor = _anchor_snapshot(model, wrapped.impl)
+    own = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = torch.empty(bc.get_world_size() * started.numel())
+    bc.allgather(started, everyone)
+    wrapped.detach_algorithm()
+    got = torch.cat([anchor[n].reshape(-1) for n, _ in model.named_parameters()])
+    return got, everyone.view(bc.get_world_size(), -1).mean(0), own
+
+
+def test_the_anchor_snapshot_is_the_synced_model():
+    """With outer lr 1 and no momentum the anchor after a sync lands is the ranks' mean of
+    the parameters the sync started from (LocalSGD's average), equal on every rank, and not
+    the rank's own parameters (which kept their inner step)."""
+    import torch
+
+    from bagua_comm.testing import run_ranks
+
+    out = run_ranks(_anchor_after_landing, 2, timeout=120)
+    for got, mean, own in out:
+        torch.testing.assert_close(got, mean, rtol=0, atol=1e-6)
+        assert not torch.allclose(got, own)
+    torch.testing.assert_close(out[0][0], out[1][0], rtol=0, atol=0)

@@ -240,7 +240,7 @@ def _mode(r: dict) -> str:
     note = mode_note(r["algorithm"], r.get("procs_per_host") or 1,
                      powersgd_rank=r.get("powersgd_rank") or 2, warmup=r.get("warmup") or 2,
                      async_interval_ms=r.get("sync_interval_ms"),
-                     sync_every=r.get("sync_every"))
+                     sync_every=r.get("sync_every"), overlap_steps=r.get("overlap_steps"))
     if r.get("window_syncs") is not None:    # the throughput window's whole sync periods
         k = r["window_syncs"]
         note += (f", {k} sync{'s' * (k != 1)} in {r['window_steps']} st" if k

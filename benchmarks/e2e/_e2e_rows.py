@@ -13,6 +13,7 @@ average inside a node); ``bytegrad_flat`` is ByteGrad forced flat, beside it.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -37,7 +38,12 @@ DEFAULT_ROWS = ["ddp", ALONE, "ddp_fp16", "ddp_powersgd", "ddp_bytegrad_hook",
 # Communicate every sync_every steps (sync_every_for); ft_diloco (torchft's DiLoCo, the peer:
 # benchmarks/e2e/_e2e_ft.py) runs with the sync_every the diloco row chose.
 SYNC_ROWS = ("local_sgd", "diloco", "diloco_u8", "diloco_u4", "ft_diloco", "diloco_warm",
-             "diloco_stream", "diloco_m05", "diloco_u4_m05", "diloco_u4_m05_stream")
+             "diloco_stream", "diloco_m05", "diloco_u4_m05", "diloco_u4_m05_stream",
+             "diloco_u4_m05_hide")
+# Rows whose syncs overlap inner steps (overlap_steps = hidden_sync_steps): the ranks never
+# hold one model, so their held-out loss is the anchor's (the synced model every rank agrees
+# on, the one a user evaluates and keeps), read when each sync lands
+HIDING_ROWS = ("diloco_u4_m05_hide",)
 # Rows whose ranks hold different models (most of the time): their held-out loss is the mean
 # over the ranks' models, labelled as such in the table and the JSON (``loss_over``)
 SEPARATE_MODELS = (ALONE, "decentralized", "decentralized_shift_one",
@@ -45,7 +51,7 @@ SEPARATE_MODELS = (ALONE, "decentralized", "decentralized_shift_one",
 # A compressed DiLoCo row's outer-gradient bytes per sync as a fraction of float32's: the rule
 # gives it its own H (a 4-bit sync costs 1/8 of the allreduce, so it can sync ~8x as often)
 OUTER_BYTES = {"diloco_u8": 1 / 4, "diloco_u4": 1 / 8, "diloco_u4_m05": 1 / 8,
-               "diloco_u4_m05_stream": 1 / 8}
+               "diloco_u4_m05_stream": 1 / 8, "diloco_u4_m05_hide": 1 / 8}
 # The full run's sweep of DiLoCo's H around the rule's choice (rows "diloco@x0.5" ...; a row
 # "diloco@64" fixes H=64): DiLoCo's H is a knob the user picks, so the main job shows how time
 # to DDP's loss and bytes move with it instead of one point.
@@ -115,6 +121,9 @@ _VARIANTS = {  # row name: (registry name, fixed keyword arguments)
     "diloco_u4_m05": ("diloco", {"outer_momentum": 0.5}),
     "diloco_u4_m05_stream": ("diloco", {"outer_momentum": 0.5, "fragments": 2,
                                         "overlap_steps": 1}),
+    # recommend's DiLoCo whose every sync overlaps the inner steps its transfer takes
+    # (hidden_sync_steps; one fragment): the sync's time hidden for that many steps' delay
+    "diloco_u4_m05_hide": ("diloco", {"outer_momentum": 0.5}),
 }
 
 
@@ -184,6 +193,23 @@ def sync_every_for(ddp_step_s: float, compute_s: float, total_steps: int | None,
     return diloco_sync_every(comm, compute_s, overhead, total_steps=total_steps)
 
 
+def hidden_sync_steps(sync_every: int, compute_s: float, network: dict | None) -> int:
+    """Inner steps a 4-bit DiLoCo sync overlaps (``overlap_steps``) so that its transfer
+    hides behind them: its two exchanges, each a fresh TCP slow start (after H steps of
+    silence the window is back at 10 segments, Linux's default after idle: a message of B
+    bytes takes about 1 + log2(B / 14.5 kB) round trips) plus the bytes at the link's rate,
+    over ``compute_s``.  At most H - 1; 1 where the link is not known."""
+    if not network or compute_s <= 0:
+        return 1
+    n = max(2, int(network["nodes"]))
+    per_peer = network["model_bytes"] / 8 / n            # 4 bits, one peer's share
+    rtt = network["latency_ms"] / 1e3                    # recommend's unit: a round trip
+    trips = 1 + math.log2(max(1.0, per_peer / (10 * 1448)))
+    wire = 2 * (n - 1) / n * network["model_bytes"] / 8 / (network["bandwidth_mbit"] * 1e6 / 8)
+    sync_s = 2 * trips * rtt + wire
+    return max(1, min(sync_every - 1, math.ceil(sync_s / compute_s)))
+
+
 def jsonable(kwargs: dict) -> dict:
     """An algorithm's keyword arguments for the JSON report: objects (a compressor) by repr."""
     return {k: v if v is None or isinstance(v, (bool, int, float, str)) else repr(v)
@@ -191,7 +217,8 @@ def jsonable(kwargs: dict) -> dict:
 
 
 def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2, warmup: int = 2,
-              async_interval_ms: float | None = None, sync_every: int | None = None) -> str:
+              async_interval_ms: float | None = None, sync_every: int | None = None,
+              overlap_steps: int | None = None) -> str:
     """The short mode description printed in the table's ``mode`` column."""
     if row == "ddp":
         return "built-in"
@@ -217,6 +244,8 @@ def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2, warmup: 
             ("outer_warmup", f", warm-up {kw.get('outer_warmup')}"),
             ("fragments", f", {kw.get('fragments')} frag. overlap {kw.get('overlap_steps')}"))
             if key in kw)
+        if overlap_steps:
+            extra += f", overlap {overlap_steps} (anchor's loss)"
         return f"H={sync_every}{bits}{extra}"
     if row.startswith("topk"):
         density = _VARIANTS[row][1]["density"]

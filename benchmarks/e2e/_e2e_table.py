@@ -24,6 +24,7 @@ SHORT = {
     "diloco_stream": "dl_stream",
     "diloco_u4_m05": "dl_u4_m05",
     "diloco_u4_m05_stream": "dl_u4m05_strm",
+    "diloco_u4_m05_hide": "dl_u4m05_hide",
 }
 COLUMNS = (("algorithm", NAME), ("MB/st", 6), ("ms/st", 6), ("loss@N", 6), ("hit", 3),
            ("to H s", 6), ("st>H", 4), ("t/DDP", 5), ("bound", 6), ("eff", 4))

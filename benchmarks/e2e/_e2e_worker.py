@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _e2e_model import MarkovText, lm_loss, make_model, num_params
 from _e2e_rows import (
     ALONE,
+    HIDING_ROWS,
     HOOK_ROWS,
     OUTER_BYTES,
     SEPARATE_MODELS,
@@ -45,6 +46,7 @@ from _e2e_rows import (
     AllReduceCounter,
     bagua_spec,
     build_torch,
+    hidden_sync_steps,
     jsonable,
     powersgd_start,
     split_row,
@@ -121,6 +123,8 @@ def _build(name: str, model, args, harness):
         kwargs["sync_interval_ms"] = args.async_interval_ms
     if algo_name in SYNC_ROWS:
         kwargs["sync_every"] = args.chosen_sync_every
+    if name in HIDING_ROWS:
+        kwargs["overlap_steps"] = args.chosen_overlap
     try:
         algo = bagua_algos.Algorithm.init(algo_name, **kwargs)
     except ValueError as err:
@@ -210,6 +214,17 @@ def _snapshot(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _anchor_snapshot(model, impl) -> dict:
+    """``model``'s state with DiLoCo's anchor (the synced parameters, equal on every rank)
+    in place of this rank's own parameters: the model a HIDING_ROWS row is scored by."""
+    state = _snapshot(model)
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    for f in range(impl.P):
+        for p, a, z, at in impl.pieces(f):
+            state[name_of[id(p)]].view(-1)[a:z].copy_(impl.anchors[f][at:at + z - a])
+    return state
+
+
 def _evaluate_snapshots(size: str, seed: int, snapshots, evalset, report=None) -> list:
     """[step, training seconds, held-out loss] for each snapshot, in order; ``report(k, n)``
     after each one (the parent's stall detector sees the evaluation progress: a row that
@@ -290,6 +305,8 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
             rule = _choose_sync_every(args, *args.rule_inputs, bytes_scale=scale)
             args.chosen_sync_every = sync_every_of_row(name, rule)
         args.sync_every_of[name] = args.chosen_sync_every
+    args.chosen_overlap = (hidden_sync_steps(args.chosen_sync_every, args.rule_inputs[0],
+                                             _network(args)) if name in HIDING_ROWS else 0)
     args.row_close = None
     t_build = time.perf_counter()
     wrapped, opt = _build(name, model, args, harness)
@@ -320,6 +337,7 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
     # A sync row's window holds whole sync periods: it ends on a multiple of H (capped by
     # --max-steps: then window_syncs says how many it holds, maybe none)
     period = _sync_period(name, args)
+    tau = args.chosen_overlap if period else 0
     t0 = time.perf_counter() - setup_s
     paused = 0.0
     times, losses, snapshots = [], [], []
@@ -335,10 +353,15 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
         i += 1
         elapsed = time.perf_counter() - t0 - paused
         times.append(elapsed)
-        if _snapshot_due(i, args.steps, every, args.depth_steps):
+        # a sync lands tau steps after it started, by DiLoCo's own count (warm-up steps in)
+        done = wrapped.impl.steps if tau else 0
+        landed = bool(tau) and done >= period + tau and (done - tau) % period == 0
+        if _snapshot_due(i, args.steps, every, args.depth_steps) or landed:
             # The weights (local, no collective), the clock paused; evaluated after the run.
+            # A row whose syncs overlap inner steps: the anchor, also when each sync lands.
             p = time.perf_counter()
-            snapshots.append((i, elapsed, _snapshot(model)))
+            snapshots.append((i, elapsed, _anchor_snapshot(model, wrapped.impl) if tau
+                              else _snapshot(model)))
             paused += time.perf_counter() - p
         if target is None and i >= args.steps:
             more = bool(period) and i % period != 0 and i < args.max_steps
@@ -387,7 +410,11 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
                 target is not None and i >= target)):
             # Held-out loss at wall time T (local, no collective: ranks may differ by a step).
             p = time.perf_counter()
-            rec["eval_at_wall"] = _evaluate(model, evalset)
+            if tau:
+                if stop_probe is None:
+                    stop_probe = make_model(args.size, seed=args.seed)
+                stop_probe.load_state_dict(_anchor_snapshot(model, wrapped.impl))
+            rec["eval_at_wall"] = _evaluate(stop_probe if tau else model, evalset)
             rec["wall_reached"] = elapsed >= args.wall_seconds
             paused += time.perf_counter() - p
         if i <= args.steps or i % 10 == 0:    # the bar's "time left": steps of the run
@@ -445,10 +472,13 @@ def _combine(name: str, recs: list[dict], args, params: int, world: int) -> dict
         "powersgd_rank": args.powersgd_rank if name == "ddp_powersgd" else None,
         "warmup": args.warmup,
         "sync_every": args.chosen_sync_every if split_row(name)[0] in SYNC_ROWS else None,
+        "overlap_steps": args.chosen_overlap if name in HIDING_ROWS else None,
         "auto_choice": args.auto_choice if name == "auto" else None,
         "loss": sum(r["eval_loss"] for r in recs) / len(recs),
         # which model the held-out loss is of: the ranks' different models, averaged
-        "loss_over": "mean of the ranks' models" if split_row(name)[0] in SEPARATE_MODELS or (
+        "loss_over": "the anchor (the synced model, identical on every rank)"
+        if name in HIDING_ROWS else
+        "mean of the ranks' models" if split_row(name)[0] in SEPARATE_MODELS or (
             (args.auto_choice or {}).get("algorithm") in SEPARATE_MODELS and name == "auto")
         else "the model (identical on every rank)",
         "train_loss": sum(c[1] for c in curve[max(0, args.steps - 5):args.steps]) / min(
@@ -509,6 +539,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.depth_steps = [int(x) for x in args.depth_steps.split(",") if x.strip()]
     args.ddp_step_s, args.chosen_sync_every, args.sync_every_of = 0.0, None, {}
+    args.chosen_overlap = 0
     args.rule_inputs = None   # (compute,) of the first sync or auto row: the rule's input
     args.auto_choice = None
     if args.full_budget:

@@ -19,7 +19,14 @@ Variants (comma-separated ``--variants``):
 - ``base``: constant inner lr, outer lr 0.7, Nesterov momentum 0.5 (``recommend``'s DiLoCo);
 - ``linear:F`` / ``cosine:F``: the inner lr falls from lr to F x lr over each sync period and
   starts again after the sync (a per-period schedule, set by the training loop);
-- ``outer:LR:M``: outer lr LR, momentum M (Nesterov when M > 0).
+- ``outer:LR:M``: outer lr LR, momentum M (Nesterov when M > 0);
+- ``overlap:T``: ``base`` whose syncs each overlap T inner steps (``overlap_steps=T``,
+  Streaming DiLoCo's overlap with one fragment: the sync started after step kH is applied
+  after step kH + T, the inner progress made meanwhile kept). The ranks then never hold one
+  model (each keeps its own T steps), so the loss read there is the anchor's: the model
+  every rank agrees on, the sync's result (the one a user evaluates and saves), reached T
+  steps after the sync started. The mean over the ranks' own models is kept too
+  (``ranks_curve``).
 """
 
 from __future__ import annotations
@@ -46,6 +53,11 @@ def _schedule(variant: str, sync_every: int):
     return lambda s: floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (s % sync_every) / span))
 
 
+def _overlap(variant: str) -> int:
+    kind, *rest = variant.split(":")
+    return int(rest[0]) if kind == "overlap" else 0
+
+
 def _outer(variant: str) -> tuple[float, float]:
     kind, *rest = variant.split(":")
     return (float(rest[0]), float(rest[1])) if kind == "outer" else (0.7, 0.5)
@@ -54,10 +66,11 @@ def _outer(variant: str) -> tuple[float, float]:
 def _check(variant: str) -> str:
     kind, *rest = variant.split(":")
     ok = (kind == "base" and not rest) or (kind in ("linear", "cosine") and len(rest) <= 1) or (
-        kind == "outer" and len(rest) == 2)
+        kind == "outer" and len(rest) == 2) or (
+        kind == "overlap" and len(rest) == 1 and rest[0].isdigit())
     if not ok:
-        raise SystemExit(f"--variants: {variant!r} is not base, linear:F, cosine:F or "
-                         f"outer:LR:M")
+        raise SystemExit(f"--variants: {variant!r} is not base, linear:F, cosine:F, "
+                         f"outer:LR:M or overlap:T")
     return variant
 
 
@@ -82,11 +95,11 @@ def run_rank(variant: str, sync_every: int, steps: int, lr: float, size: str, ev
         olr, om = _outer(variant)
         algo = bagua_algos.Algorithm.init(
             "diloco", sync_every=sync_every, outer_lr=olr, outer_momentum=om, nesterov=om > 0,
-            compressor=MinMaxUInt4(world, error_feedback=True))
+            overlap_steps=_overlap(variant), compressor=MinMaxUInt4(world, error_feedback=True))
     wrapped = bagua_algos.with_bagua(model, [opt], algo)
     harness = dist.new_group(backend="gloo")
     factor = _schedule(variant, sync_every)
-    curve = []
+    curve, ranks_curve = [], []
     for step in range(1, steps + 1):
         for g in opt.param_groups:
             g["lr"] = lr * factor(step - 1)
@@ -94,16 +107,46 @@ def run_rank(variant: str, sync_every: int, steps: int, lr: float, size: str, ev
         opt.zero_grad(set_to_none=True)
         lm_loss(wrapped(x), y).backward()
         opt.step()
-        if step % every == 0 or (variant != "ddp" and step % sync_every == 0):
+        tau = _overlap(variant)
+        applied = step >= sync_every + tau and (step - tau) % sync_every == 0
+        if step % every == 0 or (variant != "ddp" and applied):
             model.eval()
             with torch.no_grad():
                 loss = sum(float(lm_loss(model(a), b)) for a, b in evalset) / len(evalset)
             model.train()
             t = torch.tensor([loss])
             dist.all_reduce(t, group=harness)        # the mean over the ranks' models
-            curve.append((step, float(t) / world))
+            if tau and applied:
+                ranks_curve.append((step, float(t) / world))
+                t = torch.tensor([_held_out(_anchor_model(model, wrapped.impl), evalset)])
+            curve.append((step, float(t) / world if not (tau and applied) else float(t)))
     wrapped.detach_algorithm()
-    return curve
+    return curve, ranks_curve
+
+
+def _anchor_model(model, impl):
+    """A copy of ``model`` holding DiLoCo's anchor (the synced parameters, equal on every
+    rank) instead of this rank's own."""
+    import copy
+
+    import torch
+
+    twin = copy.deepcopy(model)
+    of = {id(p): q for p, q in zip(model.parameters(), twin.parameters())}
+    with torch.no_grad():
+        for f in range(impl.P):
+            for p, a, z, at in impl.pieces(f):
+                of[id(p)].view(-1)[a:z].copy_(impl.anchors[f][at:at + z - a])
+    return twin
+
+
+def _held_out(model, evalset) -> float:
+    import torch
+    from _e2e_model import lm_loss
+
+    model.eval()
+    with torch.no_grad():
+        return sum(float(lm_loss(model(a), b)) for a, b in evalset) / len(evalset)
 
 
 def main(argv=None) -> dict:
@@ -131,7 +174,7 @@ def main(argv=None) -> dict:
 
     every = max(1, args.ddp_steps // 16)
     ddp = run_ranks(run_rank, args.ranks, args=("ddp", 1, args.ddp_steps, args.lr, args.size,
-                                                every), timeout=3600)[0]
+                                                every), timeout=3600)[0][0]
     target = ddp[-1][1]
     print(f"DDP ({args.ranks} ranks): held-out loss {target:.4f} after {args.ddp_steps} steps "
           f"(the target)", flush=True)
@@ -139,17 +182,24 @@ def main(argv=None) -> dict:
     for h in hs:
         periods = max(2, math.floor(args.max_x * args.ddp_steps / h))
         for v in variants:
-            curve = run_ranks(
-                run_rank, args.ranks, args=(v, h, periods * h, args.lr, args.size, every),
+            tau = _overlap(v)
+            if tau >= h:
+                ap.error(f"--variants {v}: T must be < every --sync-every ({h})")
+            curve, ranks_curve = run_ranks(
+                run_rank, args.ranks, args=(v, h, periods * h + tau, args.lr, args.size, every),
                 timeout=3600)[0]
-            syncs = [(s, loss) for s, loss in curve if s % h == 0]
+            syncs = [(s, loss) for s, loss in curve if s >= h + tau and (s - tau) % h == 0]
             reached = next((s for s, loss in syncs if loss <= target), None)
             rows.append({"sync_every": h, "variant": v, "syncs": syncs, "curve": curve,
+                         "ranks_curve": ranks_curve,
                          "reached_at": reached,
                          "steps_x_ddp": None if reached is None else reached / args.ddp_steps})
             print(f"H={h:4d} {v:16s} at syncs: "
                   + "  ".join(f"{s}: {loss:.4f}" for s, loss in syncs)
-                  + f"  -> {'reached at step ' + str(reached) if reached else 'not reached'}",
+                  + f"  -> {'reached at step ' + str(reached) if reached else 'not reached'}"
+                  + ("  (the anchor's loss; the ranks' own models: "
+                     + "  ".join(f"{s}: {loss:.4f}" for s, loss in ranks_curve) + ")"
+                     if ranks_curve else ""),
                   flush=True)
     result = {"ranks": args.ranks, "ddp_steps": args.ddp_steps, "target": target,
               "ddp_curve": ddp, "rows": rows, "lr": args.lr, "size": args.size}
