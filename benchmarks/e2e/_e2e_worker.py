@@ -123,7 +123,7 @@ def _build(name: str, model, args, harness):
         kwargs["sync_interval_ms"] = args.async_interval_ms
     if algo_name in SYNC_ROWS:
         kwargs["sync_every"] = args.chosen_sync_every
-    if name in HIDING_ROWS:
+    if split_row(name)[0] in HIDING_ROWS:
         kwargs["overlap_steps"] = args.chosen_overlap
     try:
         algo = bagua_algos.Algorithm.init(algo_name, **kwargs)
@@ -305,8 +305,9 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
             rule = _choose_sync_every(args, *args.rule_inputs, bytes_scale=scale)
             args.chosen_sync_every = sync_every_of_row(name, rule)
         args.sync_every_of[name] = args.chosen_sync_every
+    hides = split_row(name)[0] in HIDING_ROWS
     args.chosen_overlap = (hidden_sync_steps(args.chosen_sync_every, args.rule_inputs[0],
-                                             _network(args)) if name in HIDING_ROWS else 0)
+                                             _network(args)) if hides else 0)
     args.row_close = None
     t_build = time.perf_counter()
     wrapped, opt = _build(name, model, args, harness)
@@ -472,12 +473,12 @@ def _combine(name: str, recs: list[dict], args, params: int, world: int) -> dict
         "powersgd_rank": args.powersgd_rank if name == "ddp_powersgd" else None,
         "warmup": args.warmup,
         "sync_every": args.chosen_sync_every if split_row(name)[0] in SYNC_ROWS else None,
-        "overlap_steps": args.chosen_overlap if name in HIDING_ROWS else None,
+        "overlap_steps": args.chosen_overlap if split_row(name)[0] in HIDING_ROWS else None,
         "auto_choice": args.auto_choice if name == "auto" else None,
         "loss": sum(r["eval_loss"] for r in recs) / len(recs),
         # which model the held-out loss is of: the ranks' different models, averaged
         "loss_over": "the anchor (the synced model, identical on every rank)"
-        if name in HIDING_ROWS else
+        if split_row(name)[0] in HIDING_ROWS else
         "mean of the ranks' models" if split_row(name)[0] in SEPARATE_MODELS or (
             (args.auto_choice or {}).get("algorithm") in SEPARATE_MODELS and name == "auto")
         else "the model (identical on every rank)",
