@@ -354,9 +354,12 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
         i += 1
         elapsed = time.perf_counter() - t0 - paused
         times.append(elapsed)
-        # a sync lands tau steps after it started, by DiLoCo's own count (warm-up steps in)
-        done = wrapped.impl.steps if tau else 0
-        landed = bool(tau) and done >= period + tau and (done - tau) % period == 0
+        # A DiLoCo row is read when each sync lands, tau steps after it started, by DiLoCo's
+        # own count (warm-up steps in): there its ranks hold the synced model; a step later
+        # each has moved on alone (read every 5 steps, a sync at step 106 was read at 110,
+        # 0.02 above the target it had reached)
+        done = getattr(getattr(wrapped, "impl", None), "steps", None) if period else None
+        landed = done is not None and done >= period + tau and (done - tau) % period == 0
         if _snapshot_due(i, args.steps, every, args.depth_steps) or landed:
             # The weights (local, no collective), the clock paused; evaluated after the run.
             # A row whose syncs overlap inner steps: the anchor, also when each sync lands.
