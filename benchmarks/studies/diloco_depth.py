@@ -4,7 +4,7 @@ after N steps in fewer steps (the main job's model and data, ranks as processes,
 
     python benchmarks/studies/diloco_depth.py                      # 4 ranks, N=80, H=55 and 75
     python benchmarks/studies/diloco_depth.py --sync-every 55 --variants base,linear:0.3
-    python benchmarks/studies/diloco_depth.py --quick              # 2 ranks, N=8, H=6
+    python benchmarks/studies/diloco_depth.py --quick              # 2 ranks, N=8, H=6, 2 rows
 
 Steps, not seconds: the network does not enter, so the figures hold on a loaded machine.
 Every row starts from the same weights and each rank sees the same batches in every row
@@ -160,12 +160,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--variants", default="base,linear:0.1,cosine:0.1,outer:1.0:0.0")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--size", default="small")
-    ap.add_argument("--quick", action="store_true", help="2 ranks, N=8, H=6, two variants")
+    ap.add_argument("--quick", action="store_true", help="2 ranks, N=8, H=6, base and overlap:2")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.quick:
         args.ranks, args.ddp_steps, args.sync_every = 2, 8, "6"
-        args.variants = "base,linear:0.1"
+        args.variants = "base,overlap:2"
     hs = [int(h) for h in args.sync_every.split(",") if h.strip()]
     variants = [_check(v) for v in args.variants.split(",") if v.strip()]
     if args.ranks < 2 or args.ddp_steps < 1 or not hs or min(hs) < 1:
