@@ -389,6 +389,47 @@ def test_a_group_member_without_the_secret_is_named_before_anything_is_exchanged
     assert is_comm_error(RuntimeError(bad[0]))      # the step is voted down, not raised
 
 
+def _agree_with_secret(secrets_by_rank):
+    """agree(secret=) on rank 0 and 1 with every byte sent recorded, and agree without."""
+    import bagua_comm as bc
+    from bagua_algos.ft._source import agree
+
+    group = bc.get_default_group()
+    sent, real = [], bc.batch_isend_irecv
+
+    def recording(ops, **kw):
+        sent.extend(p.tensor.numpy().tobytes() for p in ops if p.op == "send")
+        return real(ops, **kw)
+    bc.batch_isend_irecv = recording
+    step, old_rank = 123456789 + group.rank, 1 - group.rank
+    config, state = b"c" * 16, bytes([group.rank]) * 16
+    try:
+        got = agree(group, step, True, old_rank, config, state, secret=secrets_by_rank[group.rank])
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        bc.batch_isend_irecv = real
+    plain = torch.tensor([step, 1, old_rank], dtype=torch.int64).numpy().tobytes()
+    return got, agree(group, step, True, old_rank, config, state), any(plain in b for b in sent)
+
+
+def test_the_agreement_goes_with_the_secrets_proof_and_is_unreadable_without_it():
+    """agree(secret=) authenticates the group and agrees in the same two rounds: the same
+    Agreement as without the secret, the values never on the wire in the clear (a member
+    without the secret reads nothing), and a member without the secret named on every rank."""
+    from bagua_comm.testing import run_ranks
+
+    out = run_ranks(_agree_with_secret, 2, args=([SECRET, SECRET],))
+    for with_secret, without, in_clear in out:
+        assert with_secret == without, (with_secret, without)
+        # rank 1 is at the highest step; states differ, configurations match
+        assert tuple(with_secret) == (1, False, [1, 0], True, False)
+        assert not in_clear
+    bad = run_ranks(_agree_with_secret, 2, args=([SECRET, b"a-stranger-guessing-0000"],))
+    assert "peer rank(s) [1]" in bad[0] and "did not prove" in bad[0], bad
+    assert "peer rank(s) [0]" in bad[1], bad
+
+
 @pytest.mark.parametrize("n, batch", [(10, 2), (97, 4), (96, 5)])
 def test_committed_batches_deal_every_sample_once_across_a_membership_change(n, batch):
     """3 replicas take an epoch's batches in lockstep, one is lost after 2 steps, the other 2

@@ -1,8 +1,9 @@
 """The collectives of FaultTolerant's rebuild after a membership change (issue #45's stall):
 replicas proven equal (a digest of their wrap configuration, parameters, buffers and
-optimizer state in the source choice's allgather) move no parameters and no optimizer state;
+optimizer state, agreed with the secret's proof) move no parameters and no optimizer state;
 replicas that differ still end with the source's (rank 0's) parameters and optimizer state.
-Counted, not timed: each collective skipped is a round trip every survivor waits for."""
+Counted, not timed: each collective skipped is a round trip every survivor waits for, and
+each agreement goes straight to every peer (one round, whatever the group's size)."""
 
 import pytest
 import torch
@@ -52,17 +53,29 @@ def _rebuild(case):
     ft.manager, ft._pg = _Manager(), _Pg()
     ft._pg.members = (group.rank, group.size)
     rep.bagua_group = lambda pg: group           # the quorum's group: run_ranks's own
-    counts = dict.fromkeys(("broadcast", "broadcast_object", "allgather", "allreduce_inplace"),
-                           0)
-    for name in counts:
+    names = ("broadcast", "broadcast_object", "allgather", "allreduce_inplace",
+             "batch_isend_irecv")
+    counts = dict.fromkeys(names, 0)
+    sent = []                 # per batch_isend_irecv: the bytes sent to each peer, by peer
+    cast = []                 # per broadcast: its bytes
+
+    def nbytes(t):
+        return t.numel() * t.element_size()
+    for name in names:
         real = getattr(bc, name)
 
         def counted(*a, _name=name, _real=real, **kw):
             counts[_name] += 1
+            if _name == "batch_isend_irecv":
+                ops = a[0] if a else kw["ops"]
+                sent.append(sorted((p.peer, nbytes(p.tensor)) for p in ops if p.op == "send"))
+            if _name == "broadcast":
+                cast.append(nbytes(a[0] if a else kw["tensor"]))
             return _real(*a, **kw)
         setattr(bc, name, counted)
     ft._rebuild(None)
-    for name in counts:                          # the module's own functions again
+    counts["sent"], counts["cast"] = sent, cast
+    for name in names:                           # the module's own functions again
         setattr(bc, name, getattr(bc, name).__kwdefaults__["_real"])
     params = [p.detach().clone() for p in module.parameters()]
     moments = {k: v["exp_avg"].clone() for k, v in opt.state_dict()["state"].items()}
@@ -81,22 +94,29 @@ def _reference():
             {k: v["exp_avg"].clone() for k, v in opt.state_dict()["state"].items()})
 
 
-def test_replicas_proven_equal_move_no_parameters_or_optimizer_state():
+@pytest.mark.parametrize("world", [2, 3])
+def test_replicas_proven_equal_move_no_parameters_or_optimizer_state(world):
     """Survivors of a per-step algorithm hold bit-identical state: the rebuild broadcasts
     neither the source's parameters nor (with_bagua's) rank 0's parameters and optimizer
     state, and skips with_bagua's configuration check (compared by digest): one broadcast
-    remains, the algorithm's shared state from the source.  The old rebuild broadcast the
-    parameters twice and made 3 object broadcasts."""
+    remains, the algorithm's shared state from the source, its size in the same buffer.
+    The secret's proof and the agreement take two rounds, each rank sending straight to
+    every peer: its 32-byte nonce, then its 32-byte tag with its 7 agreed int64 values.
+    The old rebuild made 3 ring allgathers (n - 1 rounds each) and broadcast the state's
+    size and its pickle apart."""
+    from bagua_algos._engine.small import INLINE_BYTES
     from bagua_comm.testing import run_ranks
 
     params, moments = _reference()
-    out = run_ranks(_rebuild, 2, args=("same",))
-    for counts, got_params, got_moments in out:
-        assert counts["broadcast"] == 0, counts
-        assert counts["broadcast_object"] == 1, counts
+    out = run_ranks(_rebuild, world, args=("same",))
+    for rank, (counts, got_params, got_moments) in enumerate(out):
+        peers = [p for p in range(world) if p != rank]
+        assert counts["cast"] == [8 + INLINE_BYTES], counts  # share: size and pickle in one
+        assert counts["broadcast_object"] == 0, counts
         assert counts["allreduce_inplace"] == 0, counts
-        # the secret's nonces and tags, then the source choice with the digests
-        assert counts["allgather"] == 3, counts
+        assert counts["allgather"] == 0, counts
+        assert counts["batch_isend_irecv"] == 2, counts
+        assert counts["sent"] == [[(p, 32) for p in peers], [(p, 32 + 7 * 8) for p in peers]]
         assert all(torch.equal(a, b) for a, b in zip(got_params, params))
         assert all(torch.equal(got_moments[k], moments[k]) for k in moments)
 

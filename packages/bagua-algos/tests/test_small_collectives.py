@@ -62,3 +62,55 @@ def test_one_rank_needs_no_communication():
     t = torch.tensor([3, 4])
     assert torch.equal(gather_small(t, One()), t.unsqueeze(0))
     assert max_small([1.0, -2.0], One()) == [1.0, -2.0]
+
+
+def _broadcast_small(which):
+    """broadcast_small of rank 1's object against bagua_comm's broadcast_object of the same,
+    with bagua_comm's broadcasts counted."""
+    from bagua_algos._engine import small
+
+    group = bc.get_default_group()
+    objs = {"small": {"step": 7, "t": torch.arange(5.0), "owed": [3, 1, 4]},
+            "large": {"t": torch.arange(small.INLINE_BYTES // 4 + 3, dtype=torch.float32)},
+            "unpicklable": {"f": lambda: 0}}
+    obj = objs[which] if group.rank == 1 else None
+    calls = []
+    real = bc.broadcast
+
+    def counting(t, *a, **kw):
+        calls.append(t.numel())
+        return real(t, *a, **kw)
+    bc.broadcast = counting
+    try:
+        got = small.broadcast_small(obj, 1, group)
+    except ValueError as err:
+        return {"error": str(err)}
+    finally:
+        bc.broadcast = real
+    ref = bc.broadcast_object(obj, 1, group=group)
+    return {"got": got, "ref": ref, "calls": calls}
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_broadcast_small_in_one_broadcast_equals_broadcast_object(ranks):
+    from bagua_algos._engine.small import INLINE_BYTES
+
+    for got in run_ranks(_broadcast_small, ranks, args=("small",), timeout=120):
+        assert got["got"].keys() == got["ref"].keys()
+        assert torch.equal(got["got"]["t"], got["ref"]["t"])
+        assert (got["got"]["step"], got["got"]["owed"]) == (7, [3, 1, 4])
+        # the size and the pickle in one buffer: one round, not two
+        assert got["calls"] == [8 + INLINE_BYTES], got["calls"]
+
+
+def test_broadcast_small_larger_than_its_buffer_takes_a_second_broadcast():
+    from bagua_algos._engine.small import INLINE_BYTES
+
+    for got in run_ranks(_broadcast_small, 2, args=("large",), timeout=120):
+        assert torch.equal(got["got"]["t"], got["ref"]["t"])
+        assert len(got["calls"]) == 2 and got["calls"][0] == 8 + INLINE_BYTES, got["calls"]
+
+
+def test_broadcast_small_of_an_unpicklable_object_raises_on_every_rank():
+    out = run_ranks(_broadcast_small, 2, args=("unpicklable",), timeout=120)
+    assert all("cannot be pickled" in got.get("error", "") for got in out), out

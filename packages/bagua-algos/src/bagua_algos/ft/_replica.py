@@ -30,7 +30,7 @@ from ..module import BaguaModule, _wrap, _wrap_configuration
 from ._data import CommittedBatches
 from ._group import bagua_group, close_connections, configure_failure, reconfigurable_gloo, release
 from ._lighthouse import no_quorum_error
-from ._source import agree, authenticate, digest, share, state_digest
+from ._source import agree, digest, share, state_digest
 from ._speculate import alive, communicates_in_step, drain, restore, snapshot, synced_fragments
 from ._transport import SecretRefused, job_secret, make_transport
 
@@ -445,12 +445,14 @@ class FaultTolerant:
             data_state = healed["data"]
         self._pending = (own, data_state)
         self._group = bagua_group(self._pg)
-        authenticate(self._group, self._secret)     # before anything else goes through it
         survivor = healed is None and self._generation > 0 and self.data is not None
+        # the secret proven by every member before anything else goes through the group,
+        # the agreement's values with the proof (read once every member is proven)
         src, agreed, old_ranks, same_config, same_state = agree(
             self._group, self.manager.current_step(), self.manager.errored() is None,
             self.data.sampler.rank if survivor else -1,
-            *_digests(self._module, self.optimizer, self.algorithm, self._wrap, size))
+            *_digests(self._module, self.optimizer, self.algorithm, self._wrap, size),
+            secret=self._secret)
         if survivor:       # every replica goes on from the source's parameters
             data_state = self.data.give_back(old_ranks[src])
         shared = share(self._group, src, self._module, {

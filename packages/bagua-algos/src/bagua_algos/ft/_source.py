@@ -30,35 +30,54 @@ import bagua_comm as bc
 
 from .._engine.comm import broadcast_tensors
 from .._engine.consistency import digest, digest_words
+from .._engine.small import broadcast_small, gather_small
 
 
-def authenticate(group: bc.ProcessGroup, secret: bytes) -> None:
+def authenticate(group: bc.ProcessGroup, secret: bytes,
+                 row: torch.Tensor | None = None) -> torch.Tensor | None:
     """Every member of a new group proves it holds the job's secret before anything else
     goes through the group (collective): each rank sends a fresh nonce, then
     ``HMAC(secret, every nonce | its rank)``.  A member that cannot (a stranger admitted by
     the Lighthouse, which authenticates nobody) makes every rank raise, naming it, before
     any state, gradient or pickle is exchanged; the error counts as a failed peer (the step
-    is voted down and the next quorum tried)."""
+    is voted down and the next quorum tried).
+
+    ``row`` (a small int64 tensor, the same shape on every rank) travels with the proof, in
+    the same round, masked by a keystream only the secret's holders can derive; returned
+    is every rank's, unmasked, as rows by rank, once every member is proven (None without
+    ``row``).  Each round sends to every peer at once (:func:`gather_small`): two rounds in
+    all, whatever the group's size."""
     if group.size == 1:
-        return
+        return None if row is None else row.reshape(1, -1).clone()
     nonce = torch.frombuffer(bytearray(os.urandom(32)), dtype=torch.uint8)
-    nonces = torch.empty(32 * group.size, dtype=torch.uint8)
-    bc.allgather(nonce, nonces, group=group)
-    seed = nonces.numpy().tobytes()
+    seed = gather_small(nonce, group).numpy().tobytes()
 
     def tag(rank: int) -> bytes:
         return hmac.new(secret, seed + rank.to_bytes(4, "little"), hashlib.sha256).digest()
 
-    mine = torch.frombuffer(bytearray(tag(group.rank)), dtype=torch.uint8)
-    tags = torch.empty(32 * group.size, dtype=torch.uint8)
-    bc.allgather(mine, tags, group=group)
-    got = tags.numpy().tobytes()
+    def masked(rank: int, data: bytes) -> bytes:
+        # XOR with HMAC(secret, seed | rank | "row" | block): fresh for every group (the
+        # nonces), distinct from every tag
+        stream = b"".join(hmac.new(secret, seed + rank.to_bytes(4, "little") + b"row"
+                                   + i.to_bytes(4, "little"), hashlib.sha256).digest()
+                          for i in range(-(-len(data) // 32)))
+        return bytes(a ^ b for a, b in zip(data, stream))
+
+    body = b"" if row is None else row.contiguous().numpy().tobytes()
+    mine = torch.frombuffer(bytearray(tag(group.rank) + masked(group.rank, body)),
+                            dtype=torch.uint8)
+    got = gather_small(mine, group).numpy()
     bad = [r for r in range(group.size)
-           if not hmac.compare_digest(got[32 * r:32 * r + 32], tag(r))]
+           if not hmac.compare_digest(got[r, :32].tobytes(), tag(r))]
     if bad:
         raise RuntimeError(f"bagua_algos.ft: peer rank(s) {bad} of the quorum did not prove the "
                            "job's secret (another job, or a stranger admitted by the "
                            "Lighthouse): nothing was exchanged with them")
+    if row is None:
+        return None
+    rows = [torch.frombuffer(bytearray(masked(r, got[r, 32:].tobytes())), dtype=row.dtype)
+            for r in range(group.size)]
+    return torch.stack(rows)
 
 
 class Agreement(NamedTuple):
@@ -79,7 +98,7 @@ def state_digest(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def agree(group: bc.ProcessGroup, step: int, ok: bool, old_rank: int = -1,
-          config: bytes = b"", state: bytes = b"") -> Agreement:
+          config: bytes = b"", state: bytes = b"", secret: bytes | None = None) -> Agreement:
     """The source and what is equal on every member, in one collective over ``group``.
 
     ``step``: this replica's committed step; ``ok``: no error in this quorum (a failed heal, a
@@ -88,14 +107,18 @@ def agree(group: bc.ProcessGroup, step: int, ok: bool, old_rank: int = -1,
     :func:`state_digest` (empty: unknown, counted unequal).  The source is the replica at
     the highest step that saw no error; among equals a member of the old group is preferred
     (its parameters hold its own local steps, under LocalSGD and DiLoCo; a joiner's are
-    another's), lowest rank first."""
+    another's), lowest rank first.
+
+    Each rank's values go straight to every peer (:func:`gather_small`: one round); with
+    ``secret``, inside :func:`authenticate`'s proof (masked, read only once every member
+    has proven the secret): the group's authentication and agreement in two rounds."""
     if group.size == 1:
         return Agreement(0, True, [old_rank], True, True)
     known = digest_words(config) + digest_words(state)
     mine = torch.tensor([step, int(ok), old_rank, *known], dtype=torch.int64)
-    every = torch.empty(mine.numel() * group.size, dtype=torch.int64)
-    bc.allgather(mine, every, group=group)
-    rows = every.view(group.size, mine.numel()).tolist()
+    every = (gather_small(mine, group) if secret is None
+             else authenticate(group, secret, mine))
+    rows = every.tolist()
     keys = [(row[0], row[1], row[2] >= 0, -r) for r, row in enumerate(rows)]
     best = max(keys)
     return Agreement(-best[3], all(k[:2] == best[:2] for k in keys), [row[2] for row in rows],
@@ -114,7 +137,8 @@ def share(group: bc.ProcessGroup, src: int, module: torch.nn.Module, state: dict
           params: bool = True) -> dict:
     """``src``'s parameters and buffers into ``module`` on every rank (when ``params``: not
     where every rank's are proven equal), and ``src``'s ``state`` (plain data and tensors:
-    optimizer, scheduler, sampler, algorithm) returned on every rank (collective)."""
+    optimizer, scheduler, sampler, algorithm) returned on every rank (collective; one
+    broadcast where it pickles small, see :func:`broadcast_small`)."""
     if params:
         broadcast_tensors(list(module.parameters()) + list(module.buffers()), group, src)
-    return bc.broadcast_object(state if group.rank == src else None, src, group=group)
+    return broadcast_small(state if group.rank == src else None, src, group)
