@@ -12,6 +12,8 @@ TopK's and LowRank's exchanges are jobs of this module (:class:`TopKRound`,
 buckets, the layout and everything that is not per gradient.
 """
 
+import weakref
+
 import torch
 from torch.autograd import Variable
 
@@ -62,6 +64,7 @@ cdef class ReadyLoop:
     (each raises).
     """
 
+    cdef object __weakref__          # held weakly by the parameters' hooks (LoopHook)
     cdef object engine
     cdef object impl
     cdef object _queue_callback
@@ -194,6 +197,30 @@ cdef class ReadyLoop:
 
 
 # -- QAdam's per-bucket momentum fold -----------------------------------------------------------
+
+cdef class LoopHook:
+    """A parameter's post-accumulate-grad hook that calls its :class:`ReadyLoop` (``sparse``:
+    its ``sparse_ready``) while the loop lives, holding it weakly.  torch keeps a tensor's
+    hooks where Python's collector does not look, so a hook holding the loop made the
+    parameter and the wrapped model keep each other alive: a wrapper dropped without
+    ``detach_algorithm()`` was never freed, nor its process groups' sockets."""
+
+    cdef object ref
+    cdef bint sparse
+
+    def __cinit__(self, ReadyLoop loop, bint sparse=False):
+        self.ref = weakref.ref(loop)
+        self.sparse = sparse
+
+    def __call__(self, param):
+        loop = self.ref()
+        if loop is None:
+            return
+        if self.sparse:
+            loop.sparse_ready(param)
+        else:
+            loop(param)
+
 cdef class FoldThenStart:
     """QAdam's bucket starter after warmup (``QAdamImpl.bucket_launchers``): call it (no
     argument) to fold the bucket's gradients into its momenta, ``m <- beta1 m + (1 - beta1)

@@ -314,9 +314,9 @@ class StepEngine:
     def _register_hooks(self) -> None:
         self.hooks.append(self.owner.register_forward_pre_hook(self._forward_pre_hook))
         for p in self._tensors:
-            self.hooks.append(p.register_post_accumulate_grad_hook(self._loop))
+            self.hooks.append(p.register_post_accumulate_grad_hook(_hot.LoopHook(self._loop)))
         for p in self._sparse:
-            self.hooks.append(p.register_post_accumulate_grad_hook(self._loop.sparse_ready))
+            self.hooks.append(p.register_post_accumulate_grad_hook(_hot.LoopHook(self._loop, True)))
         for opt in self.optimizers:
             self.hooks.append(opt.register_step_post_hook(self._optimizer_stepped))
 
@@ -387,12 +387,12 @@ class StepEngine:
                 if id(p) not in had:      # an Embedding(sparse=True) unfrozen: on its own
                     self._sparse.append(p)
                     self.hooks.append(
-                        p.register_post_accumulate_grad_hook(self._loop.sparse_ready))
+                        p.register_post_accumulate_grad_hook(_hot.LoopHook(self._loop, True)))
         self._tensors = self._bucketed(self.impl.init_tensors(self.ctx))
         self._set_names()
         for p in self._tensors:
             if id(p) not in known:
-                self.hooks.append(p.register_post_accumulate_grad_hook(self._loop))
+                self.hooks.append(p.register_post_accumulate_grad_hook(_hot.LoopHook(self._loop)))
         self._relayout(self.bucket_size)
 
     # -- backward -----------------------------------------------------------------------------
