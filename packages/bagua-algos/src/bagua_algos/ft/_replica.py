@@ -446,13 +446,11 @@ class FaultTolerant:
         self._pending = (own, data_state)
         self._group = bagua_group(self._pg)
         survivor = healed is None and self._generation > 0 and self.data is not None
-        # the secret proven by every member before anything else goes through the group,
-        # the agreement's values with the proof (read once every member is proven)
         src, agreed, old_ranks, same_config, same_state = agree(
             self._group, self.manager.current_step(), self.manager.errored() is None,
             self.data.sampler.rank if survivor else -1,
             *_digests(self._module, self.optimizer, self.algorithm, self._wrap, size),
-            secret=self._secret)
+            secret=self._secret)     # proven by every member first, the agreement with it
         if survivor:       # every replica goes on from the source's parameters
             data_state = self.data.give_back(old_ranks[src])
         shared = share(self._group, src, self._module, {
