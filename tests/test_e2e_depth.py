@@ -335,20 +335,37 @@ def test_a_row_stops_at_its_first_evaluation_that_reaches_the_deepest_target(tmp
 
 
 def test_a_hiding_row_overlaps_the_steps_its_sync_takes():
-    """``diloco_u4_m05_hide``: overlap_steps = the sync's two slow-start exchanges plus its
-    bytes, in steps of compute (at most H - 1; 1 where the link is not known)."""
+    """``diloco_u4_m05_hide``: overlap_steps = the sync as recommend prices it on hosts that
+    restart TCP after idle (two slow-start exchanges, the ring's bytes, the codec), in steps
+    of compute (at most H - 1; 1 where nothing is known); its H from the overlapped plan."""
     import math
 
-    from _e2e_rows import HIDING_ROWS, OUTER_BYTES, SYNC_ROWS, bagua_spec, hidden_sync_steps
+    from _e2e_rows import (
+        HIDING_ROWS,
+        OUTER_BYTES,
+        SYNC_ROWS,
+        bagua_spec,
+        hidden_sync_steps,
+        sync_every_for,
+    )
 
-    net = {"bandwidth_mbit": 100, "latency_ms": 100, "nodes": 4, "model_bytes": 5.76e6}
+    from bagua_algos.tuning.recommend import diloco_plan
+
+    net = {"bandwidth_mbit": 100, "latency_ms": 100, "nodes": 4, "model_bytes": 5.76e6,
+           "slow_start": True}
     per_peer = 5.76e6 / 8 / 4                              # 180 kB, 4 bits, 1/4 each
     trips = 1 + math.log2(per_peer / (10 * 1448))          # slow start from 10 segments
-    sync_s = 2 * trips * 0.1 + 1.5 * 5.76e6 / 8 / 12.5e6   # two exchanges + the ring's bytes
+    sync_s = (2 * trips * 0.1 + 1.5 * 5.76e6 / 8 / 12.5e6  # two exchanges + the ring's bytes
+              + 2 * 1e-9 * 5.76e6)                         # + the codec, both ways
     assert 0.9 < sync_s < 1.1
     assert hidden_sync_steps(75, 0.066, net) == math.ceil(sync_s / 0.066)
     assert hidden_sync_steps(8, 0.066, net) == 7          # below H
     assert hidden_sync_steps(75, 0.066, None) == 1
+    # no link known: DDP's allreduce in this job, an eighth of it
+    assert hidden_sync_steps(75, 0.066, None, ddp_step_s=0.866) == math.ceil(0.1 / 0.066)
+    h = sync_every_for(0.866, 0.066, 80, bytes_scale=1 / 8, network=net, overlap=True)
+    plan = diloco_plan(sync_s, 0.066, 80, overlap=True)
+    assert h == plan.sync_every > hidden_sync_steps(h, 0.066, net) == plan.overlap_steps
     assert "diloco_u4_m05_hide" in HIDING_ROWS and "diloco_u4_m05_hide" in SYNC_ROWS
     assert OUTER_BYTES["diloco_u4_m05_hide"] == 1 / 8
     name, kw = bagua_spec("diloco_u4_m05_hide", 1, world=4)

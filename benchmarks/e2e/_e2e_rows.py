@@ -13,7 +13,6 @@ average inside a node); ``bytegrad_flat`` is ByteGrad forced flat, beside it.
 
 from __future__ import annotations
 
-import math
 import threading
 
 import torch
@@ -168,9 +167,21 @@ def bagua_spec(row: str, procs_per_host: int, *, warmup: int = 2,
     return name, kwargs
 
 
+def _sync_seconds(ddp_step_s: float, compute_s: float, bytes_scale: float,
+                  network: dict | None) -> float:
+    """One sync of a DiLoCo row: what DDP's allreduce costs in a step (``ddp_step_s -
+    compute_s``: the same bytes, once; ``bytes_scale`` of it for a compressed outer gradient),
+    or, for a 4-bit row on a known link, as ``recommend`` prices it."""
+    from bagua_algos.tuning.recommend import DILOCO_OUTER_BYTES, diloco_sync_seconds
+
+    if network is not None and bytes_scale == DILOCO_OUTER_BYTES:
+        return diloco_sync_seconds(**network)
+    return max(0.0, ddp_step_s - compute_s) * bytes_scale
+
+
 def sync_every_for(ddp_step_s: float, compute_s: float, total_steps: int | None, *,
                    overhead: float = 0.1, bytes_scale: float = 1.0,
-                   network: dict | None = None) -> int:
+                   network: dict | None = None, overlap: bool = False) -> int:
     """``sync_every`` for the workload, by the rule ``recommend`` uses
     (``bagua_algos.tuning.recommend.diloco_sync_every``): one sync costs about what DDP's allreduce
     costs in a step (``ddp_step_s - compute_s``: the same bytes, once; ``bytes_scale`` of it
@@ -180,34 +191,30 @@ def sync_every_for(ddp_step_s: float, compute_s: float, total_steps: int | None,
     unknown, and H is the one whose sync adds ``overhead`` (10%) to its compute.
     ``network`` (``diloco_sync_seconds``' arguments: the cell's shaped link): a 4-bit row's
     sync is priced as ``recommend`` prices it, since a compressed allreduce's latency does not
-    shrink with its bytes (at 50 ms, DDP's allreduce / 8 said 0.125 s a sync; it took 0.37)."""
-    from bagua_algos.tuning.recommend import (
-        DILOCO_OUTER_BYTES,
-        diloco_sync_every,
-        diloco_sync_seconds,
-    )
+    shrink with its bytes (at 50 ms, DDP's allreduce / 8 said 0.125 s a sync; it took 0.37).
+    ``overlap``: the row hides each sync behind inner steps (``diloco_plan(overlap=True)``:
+    H at least the steps hidden + 1, only the last sync's paid)."""
+    from bagua_algos.tuning.recommend import diloco_plan, diloco_sync_every
 
-    comm = max(0.0, ddp_step_s - compute_s) * bytes_scale
-    if network is not None and bytes_scale == DILOCO_OUTER_BYTES:
-        comm = diloco_sync_seconds(**network)
+    comm = _sync_seconds(ddp_step_s, compute_s, bytes_scale, network)
+    if overlap and total_steps is not None:
+        return diloco_plan(comm, compute_s, total_steps, overlap=True).sync_every
     return diloco_sync_every(comm, compute_s, overhead, total_steps=total_steps)
 
 
-def hidden_sync_steps(sync_every: int, compute_s: float, network: dict | None) -> int:
-    """Inner steps a 4-bit DiLoCo sync overlaps (``overlap_steps``) so that its transfer
-    hides behind them: its two exchanges, each a fresh TCP slow start (after H steps of
-    silence the window is back at 10 segments, Linux's default after idle: a message of B
-    bytes takes about 1 + log2(B / 14.5 kB) round trips) plus the bytes at the link's rate,
-    over ``compute_s``.  At most H - 1; 1 where the link is not known."""
-    if not network or compute_s <= 0:
+def hidden_sync_steps(sync_every: int, compute_s: float, network: dict | None, *,
+                      ddp_step_s: float = 0.0, bytes_scale: float = 1 / 8) -> int:
+    """Inner steps a DiLoCo sync overlaps (``overlap_steps``) so that its transfer hides
+    behind them: the sync as :func:`sync_every_for` prices it (on a known link the 4-bit
+    sync as ``recommend`` does, slow start included where the hosts restart TCP after
+    idle), over ``compute_s``.  At most H - 1; 1 where neither the link nor DDP's step is
+    known."""
+    from bagua_algos.tuning.diloco_cost import overlap_steps_for
+
+    if (not network and not ddp_step_s) or compute_s <= 0:
         return 1
-    n = max(2, int(network["nodes"]))
-    per_peer = network["model_bytes"] / 8 / n            # 4 bits, one peer's share
-    rtt = network["latency_ms"] / 1e3                    # recommend's unit: a round trip
-    trips = 1 + math.log2(max(1.0, per_peer / (10 * 1448)))
-    wire = 2 * (n - 1) / n * network["model_bytes"] / 8 / (network["bandwidth_mbit"] * 1e6 / 8)
-    sync_s = 2 * trips * rtt + wire
-    return max(1, min(sync_every - 1, math.ceil(sync_s / compute_s)))
+    sync_s = _sync_seconds(ddp_step_s, compute_s, bytes_scale, network)
+    return overlap_steps_for(sync_s, compute_s, sync_every)
 
 
 def jsonable(kwargs: dict) -> dict:

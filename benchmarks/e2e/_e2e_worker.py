@@ -136,16 +136,18 @@ def _build(name: str, model, args, harness):
     return bagua_algos.with_bagua(model, [opt], algo), opt
 
 
-def _choose_sync_every(args, slowest_compute_s: float, *, bytes_scale: float = 1.0) -> int:
+def _choose_sync_every(args, slowest_compute_s: float, *, bytes_scale: float = 1.0,
+                       overlap: bool = False) -> int:
     """``--sync-every`` if given, else ``sync_every_for`` DDP's step time in this job (or
     ``--ddp-seconds``), the slowest rank's compute time and the run's length (DDP's steps to
     the deepest target, as the ``auto`` row tells ``recommend``): the same on every rank.
     ``bytes_scale``: the row's outer-gradient bytes as a fraction of float32's (a 4-bit row
-    pays 1/8 of the allreduce per sync)."""
+    pays 1/8 of the allreduce per sync).  ``overlap``: a hiding row's plan (its syncs
+    overlap inner steps)."""
     if args.sync_every:
         return args.sync_every
     return sync_every_for(_ddp_step(args), slowest_compute_s, _deepest(args),
-                          bytes_scale=bytes_scale, network=_network(args))
+                          bytes_scale=bytes_scale, network=_network(args), overlap=overlap)
 
 
 def _network(args) -> dict | None:
@@ -157,7 +159,17 @@ def _network(args) -> dict | None:
             # recommend's latency unit: one tiny exchange, two one-way delays on gloo
             "latency_ms": 2 * args.network_latency_ms,
             "nodes": max(1, world // max(1, args.procs_per_host)),
-            "model_bytes": 4 * num_params(make_model(args.size, seed=args.seed))}
+            "model_bytes": 4 * num_params(make_model(args.size, seed=args.seed)),
+            # the hosts restart TCP from its initial window after idle (the kernel's default,
+            # as recommend reads it): a sync after H silent steps pays slow start
+            "slow_start": _slow_start_after_idle()}
+
+
+def _slow_start_after_idle() -> bool:
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").read_text().strip() != "0"
+    except OSError:
+        return False
 
 
 def _ddp_step(args) -> float:
@@ -302,12 +314,14 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
             # fp32's H is the sweep's reference (an "@" row scales or fixes it); a compressed
             # row of its own counts its own bytes
             scale = OUTER_BYTES.get(name, 1.0)
-            rule = _choose_sync_every(args, *args.rule_inputs, bytes_scale=scale)
+            rule = _choose_sync_every(args, *args.rule_inputs, bytes_scale=scale,
+                                      overlap=split_row(name)[0] in HIDING_ROWS)
             args.chosen_sync_every = sync_every_of_row(name, rule)
         args.sync_every_of[name] = args.chosen_sync_every
     hides = split_row(name)[0] in HIDING_ROWS
-    args.chosen_overlap = (hidden_sync_steps(args.chosen_sync_every, args.rule_inputs[0],
-                                             _network(args)) if hides else 0)
+    args.chosen_overlap = (hidden_sync_steps(
+        args.chosen_sync_every, args.rule_inputs[0], _network(args), ddp_step_s=_ddp_step(args),
+        bytes_scale=OUTER_BYTES.get(name, 1.0)) if hides else 0)
     args.row_close = None
     t_build = time.perf_counter()
     wrapped, opt = _build(name, model, args, harness)

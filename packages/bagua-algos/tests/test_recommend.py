@@ -183,7 +183,8 @@ def _recommend_counted():
     m = rec.measurement
     # the rule applied here to the slowest rank's step: what every rank must have chosen
     want = rmod.choose(m.bandwidth_mbit, m.latency_ms, m.world_size, 13.2e6, compute_s=0.5,
-                       nodes=m.nodes, total_steps=80, codec_s_per_byte=m.codec_s_per_byte)
+                       nodes=m.nodes, total_steps=80, codec_s_per_byte=m.codec_s_per_byte,
+                       slow_start=bool(m.tcp_slow_start_after_idle))
     return {"seen": seen, "probes": len(m.probes), "name": rec.name, "kwargs": rec.kwargs,
             "want": (want[0], want[1], want[3]), "scores": rec.scores}
 
@@ -406,6 +407,63 @@ def test_a_known_run_length_plans_sync_every_for_the_fewest_seconds_to_its_loss(
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="total_steps"):
             choose(10, 0, 4, 5.76e6, compute_s=0.29, total_steps=bad)
+
+
+def _brute_force_overlap_plan(sync_s, compute_s, total_steps, min_syncs=2, margin=1.1):
+    """As :func:`_brute_force_plan`, each sync hidden behind T = ceil(sync / compute) inner
+    steps: only H > T is possible, and the run pays T steps once (the last sync's landing)."""
+    from bagua_algos.tuning.recommend import diloco_steps_factor
+
+    t_hide = max(1, math.ceil(sync_s / compute_s))
+    out = []
+    for h in range(max(4, t_hide + 1), 513):
+        k = max(min_syncs, math.ceil(margin * diloco_steps_factor(h) * total_steps / h - 1e-9))
+        out.append(((k * h + t_hide) * compute_s, k, h))
+    return min(out), t_hide
+
+
+def test_an_overlapped_plan_pays_one_syncs_steps_and_keeps_h_above_them():
+    """diloco_plan(overlap=True): each sync overlaps the inner steps its transfer takes, so
+    the run pays those steps once (the anchor reaches the target when the last sync lands:
+    +T steps, benchmarks/studies/diloco_depth.py) and H must exceed T."""
+    from bagua_algos.tuning.recommend import diloco_plan
+
+    for sync_s, compute_s, n in ((1.19, 0.07, 80), (2.35, 0.07, 80), (0.15, 0.07, 80),
+                                 (1.3, 0.1, 40), (3.0, 0.1, 400)):
+        plan = diloco_plan(sync_s, compute_s, n, overlap=True)
+        (best_t, _, _), t_hide = _brute_force_overlap_plan(sync_s, compute_s, n)
+        assert plan.overlap_steps == t_hide and plan.sync_every > t_hide
+        assert plan.time_s == pytest.approx((plan.steps + t_hide) * compute_s)
+        assert best_t <= plan.time_s <= 1.02 * best_t + 1e-9
+        # hiding never plans a slower run than paying every sync
+        assert plan.time_s <= diloco_plan(sync_s, compute_s, n).time_s + 1e-9
+    # a sync dearer than 511 steps cannot hide: the rest is paid at every sync
+    plan = diloco_plan(100.0, 0.1, 80, overlap=True)
+    assert (plan.sync_every, plan.overlap_steps) == (512, 511)
+    assert plan.time_s == pytest.approx((plan.steps + 511) * 0.1 + plan.syncs * (100 - 51.1))
+    assert diloco_plan(1.0, 0.1, 80).overlap_steps == 0
+
+
+def test_a_sync_after_idle_pays_tcp_slow_start_on_each_exchange():
+    """On hosts that restart TCP from its 10-segment window after idle, each of the sync's
+    two exchanges takes 1 + log2(one peer's share / 14.48 kB) round trips (recomputed here);
+    bandwidth and codec are the same either way, and without latency nothing changes."""
+    from bagua_algos.tuning.recommend import diloco_sync_seconds
+
+    net = {"bandwidth_mbit": 100, "latency_ms": 100, "nodes": 4, "model_bytes": 5.76e6}
+    plain = diloco_sync_seconds(**net)
+    slow = diloco_sync_seconds(**net, slow_start=True)
+    trips = 1 + math.log2(5.76e6 / 8 / 4 / 14480)      # 180 kB a peer: ~4.6 round trips
+    assert slow - plain == pytest.approx(2 * (trips - 1) * 0.1)
+    assert 0.9 < slow < 1.3                             # measured: 1.05-1.6 s (load 6-11)
+    net["latency_ms"] = 0
+    assert diloco_sync_seconds(**net, slow_start=True) == diloco_sync_seconds(**net)
+    # recommend reads the switch from its measurement: on, a far link's DiLoCo syncs less
+    far = dict(bandwidth_mbit=100, latency_ms=100, world_size=4, model_bytes=5.76e6,
+               compute_s=0.1, total_steps=400)
+    _, on, _, _ = choose(**far, slow_start=True)
+    _, off, _, _ = choose(**far)
+    assert on["sync_every"] > off["sync_every"]
 
 
 # -- the job's device --------------------------------------------------------------------------

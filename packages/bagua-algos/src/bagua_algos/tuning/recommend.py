@@ -35,7 +35,6 @@ go to the exact algorithm.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -45,6 +44,21 @@ import torch
 import bagua_comm as bc
 
 from .._engine.small import max_small
+from .diloco_cost import (  # noqa: F401  (DiLoCo's cost model, re-exported: recommend's API)
+    CODEC_S_PER_BYTE,
+    COMPRESSED_ROUNDS,
+    DILOCO_MIN_SYNC_EVERY,
+    DILOCO_MIN_SYNCS,
+    DILOCO_OUTER_BYTES,
+    DILOCO_OUTER_MOMENTUM,
+    DILOCO_PLAN_MARGIN,
+    DILOCO_STEPS_PER_LOG_H,
+    DiLoCoPlan,
+    diloco_plan,
+    diloco_steps_factor,
+    diloco_sync_every,
+    diloco_sync_seconds,
+)
 
 log = logging.getLogger("bagua_algos.recommend")
 
@@ -53,119 +67,6 @@ log = logging.getLogger("bagua_algos.recommend")
 #: H: :func:`diloco_steps_factor`.
 STEPS_FACTOR = {"gradient_allreduce": 1.0, "bytegrad": 1.05, "decentralized": 1.25,
                 "low_precision_decentralized": 1.4}
-#: DiLoCo's extra steps grow with log H (its ranks step on their own share of the batch, and
-#: averaging every H steps recovers part of it): 1 + b ln H.  Re-derived at depth from the
-#: trade-off map's 4-host cells (small model, 4-bit outer gradient, outer momentum 0.5, to DDP's
-#: loss after 80 steps, a target training alone never reaches): 110 steps at H=11 (b 0.16),
-#: 130 at H=65 (0.15), 200 at H=100 (0.16, 2 syncs; one sync at step 100 reached DDP's loss
-#: after ~60 steps: 0.15).  The target is reached at a sync, so a run of H-step periods takes
-#: whole periods (:func:`diloco_plan`).  The earlier 0.4 came from 10-30-step targets, where
-#: the rows were still in their first sync period.
-DILOCO_STEPS_PER_LOG_H = 0.16
-#: Syncs a planned run holds at least: on the map no run reached a deep target with one (the
-#: anchor's outer step then acts once), two sufficed at H=65 and H=100
-DILOCO_MIN_SYNCS = 2
-#: The shortest sync period recommend plans.  At H = 2 DiLoCo (outer lr 0.7, momentum 0.5)
-#: needed more steps than the steps factor says (112 to DDP's loss after 80 steps, where
-#: H = 4 needed 96, H = 6-10 90, H = 20 100; benchmarks/studies/diloco_depth.py), and a sync
-#: every other step pays the sync's host work (outer step, codec) half the steps: at
-#: 300 Mbit/s, 0 ms on 4 hosts H = 2 took 29.9 s where ByteGrad took 19.5 s
-DILOCO_MIN_SYNC_EVERY = 4
-#: Headroom on the predicted steps: the target is reached only at a sync, so a plan whose
-#: last sync falls just short of ``factor x total_steps`` costs a whole extra period
-DILOCO_PLAN_MARGIN = 1.1
-#: The outer momentum recommend's DiLoCo runs with (outer_lr stays 0.7): a steady outer
-#: gradient moves the anchor 0.7 / (1 - 0.5) = 1.4x per sync instead of 7x at 0.9.  At depth
-#: (the runs above) 0.9 never reached DDP's loss after 40 steps at H = 2 and 4 (its loss
-#: stopped falling after ~35 steps, near what training alone reaches), needed 70 steps at H = 8
-#: where 0.5 needed 55, and the same 80 at H = 16
-DILOCO_OUTER_MOMENTUM = 0.5
-#: DiLoCo as recommend runs it: the outer gradient in 4 bits with error feedback (an eighth of
-#: float32's bytes; the main job's fastest DiLoCo row), so each sync costs about this much of
-#: a float32 allreduce's transfer
-DILOCO_OUTER_BYTES = 1 / 8
-
-
-def diloco_steps_factor(sync_every: int) -> float:
-    """DiLoCo's estimated steps to DDP's loss, as a multiple of DDP's, at ``sync_every``."""
-    return 1.0 + DILOCO_STEPS_PER_LOG_H * math.log(max(1, sync_every))
-
-
-#: Latency rounds (in units of the measured exchange) of a compressed allreduce, whatever the
-#: ranks: its two exchanges (chunks to their owners, then the reduced chunks to everyone) each
-#: go to every peer at once (measured on 4 hosts at 50 ms one way: ByteGrad four one-way
-#: latencies a bucket, DiLoCo's 4-bit sync 0.37 s where 2(n-1) rounds said 0.6 s)
-COMPRESSED_ROUNDS = 2
-
-
-def diloco_sync_seconds(bandwidth_mbit: float, latency_ms: float, nodes: int,
-                        model_bytes: float, codec_s_per_byte: float | None = None) -> float:
-    """One DiLoCo sync as ``recommend`` runs it: a compressed allreduce of the model's outer
-    gradient in 4 bits among ``nodes`` (:data:`COMPRESSED_ROUNDS` exchanges of
-    ``latency_ms``, the ring's bytes / 8, the codec)."""
-    n = max(1, nodes)
-    per_byte = CODEC_S_PER_BYTE if codec_s_per_byte is None else codec_s_per_byte
-    ring = 2 * (n - 1) / n * model_bytes
-    return (COMPRESSED_ROUNDS * latency_ms / 1e3
-            + ring * DILOCO_OUTER_BYTES / (bandwidth_mbit * 1e6 / 8)
-            + 2 * per_byte * model_bytes)
-
-
-@dataclass(frozen=True)
-class DiLoCoPlan:
-    """A DiLoCo run planned to reach the loss DDP reaches after ``total_steps`` steps."""
-
-    sync_every: int   # H
-    steps: int        # optimizer steps the run is planned for: ``syncs x sync_every``
-    syncs: int
-    time_s: float     # predicted: ``steps x compute_s + syncs x sync_s``
-
-
-def diloco_plan(sync_s: float, compute_s: float, total_steps: int, *,
-                min_syncs: int = DILOCO_MIN_SYNCS,
-                margin: float = DILOCO_PLAN_MARGIN) -> DiLoCoPlan:
-    """The H that reaches DDP's loss after ``total_steps`` steps soonest, by the cost model
-    ``time = steps x compute_s + syncs x sync_s``: DiLoCo needs
-    ``margin x diloco_steps_factor(H) x total_steps`` steps, and reaches the target at a sync,
-    so with ``k`` syncs H is the smallest with ``k x H`` at least that.  Every ``k`` from
-    ``min_syncs`` up (H down to :data:`DILOCO_MIN_SYNC_EVERY`) is priced; the cheapest wins, ties (within 2%) to fewer
-    syncs: a sync's host work (the outer step, the codec) comes on top of ``sync_s`` as
-    callers estimate it (measured on the map: 0.15-0.2 s a sync at 100 Mbit/s where DDP's
-    allreduce / 8 said 0.09).  H within [:data:`DILOCO_MIN_SYNC_EVERY`, 512]."""
-    n = max(1, int(total_steps))
-    plans = []
-    for k in range(max(1, min_syncs), n + 1):
-        h = max(DILOCO_MIN_SYNC_EVERY, math.ceil(margin * n / k))
-        for _ in range(8):         # the factor grows with H: settle the fixed point
-            need = math.ceil(margin * n * diloco_steps_factor(h) / k)
-            if need <= h:
-                break
-            h = need
-        h = min(512, h)
-        plans.append(DiLoCoPlan(h, k * h, k, k * h * compute_s + k * max(0.0, sync_s)))
-        if h <= DILOCO_MIN_SYNC_EVERY:
-            break
-    fastest = min(p.time_s for p in plans)
-    return min((p for p in plans if p.time_s <= 1.02 * fastest), key=lambda p: p.syncs)
-
-
-def diloco_sync_every(comm_s: float, compute_s: float, overhead: float = 0.1, *,
-                      total_steps: int | None = None,
-                      min_syncs: int = DILOCO_MIN_SYNCS) -> int:
-    """DiLoCo's ``sync_every`` (H) for a step of ``compute_s`` whose sync would take
-    ``comm_s``.  With ``total_steps`` (the run's planned optimizer steps: DDP's steps to the
-    loss the run aims at), the H of :func:`diloco_plan`: the fewest seconds to that loss.
-    Without it, the run's length is unknown: one sync spread over H steps adds at most
-    ``overhead`` (10%) of their compute, H >= comm / (overhead x compute).  Within
-    [:data:`DILOCO_MIN_SYNC_EVERY`, 512].
-    The main job's DiLoCo rows use this same rule (benchmarks/e2e/_e2e_rows.py), told DDP's
-    steps to the deepest target."""
-    if total_steps is not None:
-        return diloco_plan(comm_s, compute_s, total_steps, min_syncs=min_syncs).sync_every
-    want = math.ceil(max(0.0, comm_s) / (overhead * max(compute_s, 1e-6)))
-    return int(min(512, max(DILOCO_MIN_SYNC_EVERY, want)))
-
-
 #: Scores within this ratio of the exact algorithm's count as a tie (it wins); wider when the
 #: step's computation is unknown (the steps factors then only weigh the communication).
 TIE, TIE_UNKNOWN_COMPUTE = 1.05, 1.5
@@ -174,12 +75,6 @@ TIE, TIE_UNKNOWN_COMPUTE = 1.05, 1.5
 #: the ratios alone preferred one exchange with one peer to the allreduce's two rounds).
 NEGLIGIBLE_S = 0.01
 _UINT8 = 4.0  # MinMaxUInt8 sends a quarter of float32's bytes
-#: Seconds per model byte to compress and decompress once, when it was not measured
-#: (MinMaxUInt8 on one free CPU core runs at about 1 GB/s each way); the compressed
-#: algorithms pay it twice per step.  :func:`measure_network` times it on the ranks
-#: themselves (``NetworkMeasurement.codec_s_per_byte``): processes sharing cores, or a slow
-#: CPU, pay several times this.
-CODEC_S_PER_BYTE = 1e-9
 #: Seconds of transfer (beyond the latency) that make a bandwidth probe readable
 PROBE_READ_S = 0.1
 #: The largest bandwidth probe, bytes
@@ -284,7 +179,8 @@ def bucket_size_for(name: str, bandwidth_mbit: float, latency_ms: float, nodes: 
 def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_bytes: float, *,
            compute_s: float = 0.0, nodes: int | None = None,
            total_steps: int | None = None,
-           codec_s_per_byte: float | None = None) -> tuple[str, dict, str, dict]:
+           codec_s_per_byte: float | None = None,
+           slow_start: bool = False) -> tuple[str, dict, str, dict]:
     """The rule: ``(name, kwargs, reason, scores)`` for a network and a model.
 
     ``bandwidth_mbit``/``latency_ms`` (one way) between nodes, ``model_bytes`` the gradient
@@ -295,7 +191,9 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
     to the loss it aims at) plans its H for that run (:func:`diloco_plan`).
     ``codec_s_per_byte`` (seconds per model byte for one compress + decompress, as
     :func:`measure_network` times it; None: :data:`CODEC_S_PER_BYTE`) prices the compressed
-    algorithms' encoding.
+    algorithms' encoding.  ``slow_start``: the hosts restart TCP from its initial window after
+    idle (``net.ipv4.tcp_slow_start_after_idle=1``), which a DiLoCo sync, after H silent steps,
+    pays in round trips (:func:`~bagua_algos.tuning.diloco_cost.diloco_sync_seconds`).
     Raises ``ValueError`` naming the argument for a non-positive bandwidth, a negative latency,
     compute time or codec cost, or a world size below 1.
     """
@@ -334,7 +232,8 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
     if compute_s > 0:    # communicating rarely pays only against a known computation time
         # one 4-bit compressed allreduce of the model (its latency rounds, an eighth of the
         # bytes, the codec) every H steps
-        sync = diloco_sync_seconds(bandwidth_mbit, latency_ms, n, model_bytes, codec_s_per_byte)
+        sync = diloco_sync_seconds(bandwidth_mbit, latency_ms, n, model_bytes, codec_s_per_byte,
+                                   slow_start=slow_start)
         if total_steps is None:
             h = diloco_sync_every(sync, compute_s)
             comm["diloco"], factor["diloco"] = sync / h, diloco_steps_factor(h)
@@ -540,7 +439,8 @@ def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None
     name, kwargs, why, scores = choose(m.bandwidth_mbit, m.latency_ms, m.world_size,
                                        model_bytes, compute_s=compute_s, nodes=m.nodes,
                                        total_steps=total_steps,
-                                       codec_s_per_byte=m.codec_s_per_byte)
+                                       codec_s_per_byte=m.codec_s_per_byte,
+                                       slow_start=bool(m.tcp_slow_start_after_idle))
     bucket = bucket_size_for(name, m.bandwidth_mbit, m.latency_ms, m.nodes, model_bytes)
     if measurement is not None:    # given, perhaps not alike on every rank: rank 0's choice
         name, kwargs, bucket = bc.broadcast_object((name, kwargs, bucket), src=0, group=group)
