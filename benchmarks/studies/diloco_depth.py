@@ -75,9 +75,12 @@ def _check(variant: str) -> str:
 
 
 def run_rank(variant: str, sync_every: int, steps: int, lr: float, size: str, every: int):
+    import copy
+
     import torch
     import torch.distributed as dist
     from _e2e_model import MarkovText, lm_loss, make_model
+    from _e2e_worker import _anchor_snapshot, _evaluate
 
     import bagua_algos
     import bagua_comm as bc
@@ -110,43 +113,18 @@ def run_rank(variant: str, sync_every: int, steps: int, lr: float, size: str, ev
         tau = _overlap(variant)
         applied = step >= sync_every + tau and (step - tau) % sync_every == 0
         if step % every == 0 or (variant != "ddp" and applied):
-            model.eval()
             with torch.no_grad():
-                loss = sum(float(lm_loss(model(a), b)) for a, b in evalset) / len(evalset)
-            model.train()
-            t = torch.tensor([loss])
+                t = torch.tensor([_evaluate(model, evalset)])
             dist.all_reduce(t, group=harness)        # the mean over the ranks' models
-            if tau and applied:
+            if tau and applied:     # the synced model, as the main job scores a hiding row
                 ranks_curve.append((step, float(t) / world))
-                t = torch.tensor([_held_out(_anchor_model(model, wrapped.impl), evalset)])
+                twin = copy.deepcopy(model)
+                twin.load_state_dict(_anchor_snapshot(model, wrapped.impl))
+                with torch.no_grad():
+                    t = torch.tensor([_evaluate(twin, evalset)])
             curve.append((step, float(t) / world if not (tau and applied) else float(t)))
     wrapped.detach_algorithm()
     return curve, ranks_curve
-
-
-def _anchor_model(model, impl):
-    """A copy of ``model`` holding DiLoCo's anchor (the synced parameters, equal on every
-    rank) instead of this rank's own."""
-    import copy
-
-    import torch
-
-    twin = copy.deepcopy(model)
-    of = {id(p): q for p, q in zip(model.parameters(), twin.parameters())}
-    with torch.no_grad():
-        for f in range(impl.P):
-            for p, a, z, at in impl.pieces(f):
-                of[id(p)].view(-1)[a:z].copy_(impl.anchors[f][at:at + z - a])
-    return twin
-
-
-def _held_out(model, evalset) -> float:
-    import torch
-    from _e2e_model import lm_loss
-
-    model.eval()
-    with torch.no_grad():
-        return sum(float(lm_loss(model(a), b)) for a, b in evalset) / len(evalset)
 
 
 def main(argv=None) -> dict:
