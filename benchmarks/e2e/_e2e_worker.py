@@ -446,6 +446,7 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
         rec["budget_s"] = max(args.wall_seconds, args.budget_factor * rec["depth_s"])
     if name == "async" and hasattr(wrapped, "abort"):
         wrapped.abort()
+    rec["sync_wait_s"] = getattr(getattr(wrapped, "impl", None), "sync_wait_s", None)
     evals = _evaluate_snapshots(args.size, args.seed, snapshots, evalset,
                                 lambda k, n: _progress(args, name, k, n, phase="eval"))
     rec["eval_loss"] = next(loss for step, _, loss in evals if step == args.steps)
@@ -491,6 +492,9 @@ def _combine(name: str, recs: list[dict], args, params: int, world: int) -> dict
         "warmup": args.warmup,
         "sync_every": args.chosen_sync_every if split_row(name)[0] in SYNC_ROWS else None,
         "overlap_steps": args.chosen_overlap if split_row(name)[0] in HIDING_ROWS else None,
+        # seconds the slowest rank's training waited for DiLoCo's syncs (None: no syncs)
+        "sync_wait_s": max((r["sync_wait_s"] for r in recs if r["sync_wait_s"] is not None),
+                           default=None),
         "auto_choice": args.auto_choice if name == "auto" else None,
         "loss": sum(r["eval_loss"] for r in recs) / len(recs),
         # which model the held-out loss is of: the ranks' different models, averaged

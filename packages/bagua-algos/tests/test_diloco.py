@@ -346,3 +346,34 @@ def test_a_parameter_unfrozen_after_the_wrap_is_averaged(algo):
         assert torch.equal(end0, end1)                 # step 8 is a sync of the whole model
         ref = run_ranks(_unfrozen_later, 2, args=(algo, False), timeout=180)
         assert torch.equal(end0, ref[0][0]) and torch.equal(end1, ref[1][0])
+
+
+def _late_peer(overlap_steps, late_s=0.6):
+    """Rank 1 sleeps ``late_s`` before step 4's backward, the step whose sync (H = 4) both
+    ranks start; rank 0 reaches its sync without waiting."""
+    import time
+
+    rank = bc.get_rank()
+    model = make_model(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    net = with_bagua(model, [opt], DiLoCo(sync_every=4, overlap_steps=overlap_steps))
+    for step in range(1, 9):
+        if rank == 1 and step == 4:
+            time.sleep(late_s)
+        opt.zero_grad()
+        loss_fn(net, *batch(step, rank)).backward()
+        opt.step()
+    waited = net.impl.sync_wait_s
+    net.detach_algorithm()
+    return waited
+
+
+@pytest.mark.parametrize("overlap_steps", [0, 2])
+def test_the_seconds_a_rank_waits_for_its_syncs_are_counted(overlap_steps):
+    """``impl.sync_wait_s``: the part of the syncs' time that no inner step hid.  A peer
+    0.6 s late to the sync: the rank on time waits for it where the sync lands (at once
+    without overlap, two steps later with it: the steps hide nothing of a late peer's
+    0.6 s on these tiny models), the late one barely."""
+    on_time, late = run_ranks(_late_peer, 2, args=(overlap_steps,), timeout=120)
+    assert 0.4 < on_time < 5.0, on_time
+    assert late < on_time - 0.3, (late, on_time)

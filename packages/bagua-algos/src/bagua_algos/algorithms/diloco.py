@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
 
 import torch
 
@@ -169,6 +170,9 @@ class DiLoCoImpl(AlgorithmImpl):
         self._counts: dict[int, int] = {}
         self.pending: dict[int, _Sync] = {}
         self.outer_steps = [0] * self.P  # outer steps taken, per fragment (the warm-up's k)
+        #: seconds the training thread waited for syncs to land (the part of the syncs'
+        #: time no inner step hid: all of it without overlap)
+        self.sync_wait_s = 0.0
         self.params = None
 
     # -- layout ---------------------------------------------------------------------------------
@@ -312,7 +316,9 @@ class DiLoCoImpl(AlgorithmImpl):
     def apply(self, fragment: int) -> None:
         s = self.pending.pop(fragment)
         if s.handle is not None:
+            t0 = time.perf_counter()
             s.handle.wait()
+            self.sync_wait_s += time.perf_counter() - t0
         anchor = self.anchors[fragment]
         for a in self.anchors:
             a.grad = None
