@@ -54,6 +54,8 @@ from _e2e_rows import (
     sync_every_of_row,
 )
 
+from bagua_algos.tuning.recommend import _slow_start_after_idle
+
 
 class Unavailable(Exception):
     """The algorithm cannot be built here (not installed / not registered yet)."""
@@ -162,14 +164,7 @@ def _network(args) -> dict | None:
             "model_bytes": 4 * num_params(make_model(args.size, seed=args.seed)),
             # the hosts restart TCP from its initial window after idle (the kernel's default,
             # as recommend reads it): a sync after H silent steps pays slow start
-            "slow_start": _slow_start_after_idle()}
-
-
-def _slow_start_after_idle() -> bool:
-    try:
-        return Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").read_text().strip() != "0"
-    except OSError:
-        return False
+            "slow_start": _slow_start_after_idle() == 1.0}
 
 
 def _ddp_step(args) -> float:

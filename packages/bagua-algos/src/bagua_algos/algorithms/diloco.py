@@ -363,6 +363,9 @@ class DiLoCoImpl(AlgorithmImpl):
                             None if buf is None else buf[at:at + n].clone()))
         return out
 
+    def _flat_buffers(self) -> torch.Tensor:
+        return torch.cat([b.detach().reshape(-1).double() for b in self.buffers])
+
     def _start_buffers(self):
         """The floating-point buffers' average, started with the last fragment's sync on a
         flat gloo group (where the training thread already issues the group's collectives):
@@ -373,7 +376,7 @@ class DiLoCoImpl(AlgorithmImpl):
         if (self.group.size == 1 or not self.buffers or self.reducer.hierarchical
                 or self.group.backend != "gloo"):
             return None
-        flat = torch.cat([b.detach().reshape(-1).double() for b in self.buffers])
+        flat = self._flat_buffers()
         start = flat.clone() if self.tau else None
         return flat, start, bc.allreduce_inplace(flat, bc.ReduceOp.AVG, group=self.group,
                                                  async_op=True)
@@ -389,11 +392,11 @@ class DiLoCoImpl(AlgorithmImpl):
                 # keep a buffer's own progress while the sync was in flight (as the
                 # parameters' inner steps); an unchanged one (a constant mask, -inf
                 # included) takes the average as it is
-                now = torch.cat([b.detach().reshape(-1).double() for b in self.buffers])
+                now = self._flat_buffers()
                 moved = now != start
                 flat[moved] += now[moved] - start[moved]
         else:
-            flat = torch.cat([b.detach().reshape(-1).double() for b in self.buffers])
+            flat = self._flat_buffers()
             if self.reducer.hierarchical:
                 # the syncs run on the runner's thread: this collective goes there too, after
                 # them, so that the rank's NCCL calls keep one order (a second thread driving
