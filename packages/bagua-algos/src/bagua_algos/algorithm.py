@@ -268,6 +268,18 @@ class AlgorithmImpl:
         self.init_operations(ctx, buckets)
         self.load_state_dict(state)
 
+    def synced_state(self, ctx: BaguaContext, state: dict) -> dict:
+        """``BaguaModule.synced_state_dict()``: ``state`` (the wrapped model's ``state_dict``)
+        as the model every rank agrees on, read without a collective.  A synchronous
+        algorithm's ranks hold it after each step: ``state`` itself.  Others override this
+        (DiLoCo: its anchor) or have none to give."""
+        if self.synchronous:
+            return state
+        raise RuntimeError(
+            f"{type(self).__name__.removesuffix('Impl')}'s ranks hold different models and "
+            f"none that all of them agree on: read each rank's state_dict(), or average them "
+            f"(bagua_comm.allreduce_inplace with ReduceOp.AVG) at a step every rank reaches")
+
     def load_foreign_state_dict(self, state: dict, *, world_size: int, rank: int) -> str | None:
         """Load ``state`` saved by ``rank`` of a job of ``world_size`` ranks, where that is
         not this rank or not this world size (elastic resume from rank 0's checkpoint).

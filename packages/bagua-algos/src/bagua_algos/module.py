@@ -248,6 +248,16 @@ class BaguaModule(torch.nn.Module):
         ``torch.compile``-d model, the original model's: no ``_orig_mod.`` prefix either)."""
         return self.ctx.module.state_dict(*args, **kwargs)
 
+    def synced_state_dict(self) -> dict:
+        """The model every rank agrees on, as a ``state_dict`` (no collective; each rank
+        returns the same values).  For the synchronous algorithms, :meth:`state_dict`.  For
+        DiLoCo and LocalSGD, the anchor: the parameters as of the last sync that landed (with
+        ``overlap_steps`` the ranks' own models never are: each holds its inner steps since
+        a sync started), with the floating-point buffers averaged at that sync; the run's
+        result to keep or evaluate.  Raises ``RuntimeError`` for algorithms whose ranks
+        agree on no model (Decentralized, LowPrecisionDecentralized, AsyncModelAverage)."""
+        return self.impl.synced_state(self.ctx, self.state_dict())
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load the wrapped model's ``state_dict``; keys saved from a ``torch.compile``-d
         model (``_orig_mod.`` prefix) load too."""

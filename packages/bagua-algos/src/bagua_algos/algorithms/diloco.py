@@ -187,7 +187,12 @@ class DiLoCoImpl(AlgorithmImpl):
         self.device = self.params[0].device
         self.anchor_device = self.algo.anchor_device or self.device
         self.counts_of = {id(o): 0 for o in ctx.optimizers}
-        self.buffers = [b for b in ctx.module.buffers() if b.is_floating_point()]
+        named = [(n, b) for n, b in ctx.module.named_buffers() if b.is_floating_point()]
+        self.buffer_names = [n for n, _ in named]
+        self.buffers = [b for _, b in named]
+        #: the buffers as every rank last agreed on them (rank 0's at the wrap, then each
+        #: sync's average): synced_state_dict()'s
+        self.synced_buffers = self._flat_buffers() if self.buffers else None
         with torch.no_grad():
             self._new_outer([self.gather(p).to(self.anchor_device, copy=True)
                              for p in range(self.P)])
@@ -388,6 +393,7 @@ class DiLoCoImpl(AlgorithmImpl):
         if started is not None:
             flat, start, handle = started
             handle.wait()
+            self.synced_buffers = flat.clone()
             if start is not None:
                 # keep a buffer's own progress while the sync was in flight (as the
                 # parameters' inner steps); an unchanged one (a constant mask, -inf
@@ -405,6 +411,7 @@ class DiLoCoImpl(AlgorithmImpl):
                     lambda: bc.allreduce_inplace(flat, bc.ReduceOp.AVG, group=self.group)).wait()
             else:
                 bc.allreduce_inplace(flat, bc.ReduceOp.AVG, group=self.group)
+            self.synced_buffers = flat.clone()
         off = 0
         for b in self.buffers:
             b.copy_(flat[off:off + b.numel()].view_as(b))
@@ -418,6 +425,22 @@ class DiLoCoImpl(AlgorithmImpl):
                 s.handle = None
         if self._buffers_sync is not None:
             self._buffers_sync[2].wait()
+
+    def synced_state(self, ctx, state: dict) -> dict:
+        """``state`` with the anchor in place of this rank's parameters and the buffers of the
+        last sync (new tensors, the others copied as they are now; the model is not
+        touched)."""
+        state = {k: v.detach().clone() for k, v in state.items()}
+        anchor = self._by_name(self.anchors)
+        buffers, off = {}, 0
+        for name, b in zip(self.buffer_names, self.buffers):
+            buffers[name] = self.synced_buffers[off:off + b.numel()]
+            off += b.numel()
+        for name, value in (*anchor.items(), *buffers.items()):
+            if name in state:
+                old = state[name]
+                state[name] = value.reshape(old.shape).to(old.device, old.dtype)
+        return state
 
     # -- state ----------------------------------------------------------------------------------
     def _by_name(self, flats: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -471,6 +494,8 @@ class DiLoCoImpl(AlgorithmImpl):
         with torch.no_grad():
             for a, t in zip(self.anchors, self._from_names(state["anchor"], "anchor")):
                 a.copy_(t)
+            # a resumed run's buffers are the checkpoint's (not part of the algorithm's state)
+            self.synced_buffers = self._flat_buffers() if self.buffers else None
             self.outer.state.clear()
             if "momentum" in state:
                 for a, t in zip(self.anchors, self._from_names(state["momentum"], "momentum")):
