@@ -53,6 +53,7 @@ from .diloco_cost import (  # noqa: F401  (DiLoCo's cost model, re-exported: rec
     DILOCO_OUTER_MOMENTUM,
     DILOCO_PLAN_MARGIN,
     DILOCO_STEPS_PER_LOG_H,
+    DILOCO_SYNC_HOST_S,
     DiLoCoPlan,
     diloco_plan,
     diloco_steps_factor,
@@ -75,8 +76,15 @@ TIE, TIE_UNKNOWN_COMPUTE = 1.05, 1.5
 #: the ratios alone preferred one exchange with one peer to the allreduce's two rounds).
 NEGLIGIBLE_S = 0.01
 _UINT8 = 4.0  # MinMaxUInt8 sends a quarter of float32's bytes
-#: Seconds of transfer (beyond the latency) that make a bandwidth probe readable
-PROBE_READ_S = 0.1
+#: Seconds of transfer (beyond the latency) that make a bandwidth probe readable: the
+#: probe stops at the first size whose transfer is at least this and :data:`PROBE_READ_LAT`
+#: of the latency it is corrected by (each further probe is 4x the bytes and, at 50 ms one
+#: way, ~0.4 s of the measurement: two shots and a MAX; a 1 MiB probe at 100 Mbit/s, 0.08 s,
+#: reads to ~7%, and 4 MiB cost 1.06 s of a 10 s run at 0 ms)
+PROBE_READ_S = 0.05
+#: ... and this fraction of the latency: at 50 ms one way a fresh connection's 256 KiB probe,
+#: still in TCP's slow start, took 0.05 s beyond it (40 Mbit/s on a 100 Mbit/s link)
+PROBE_READ_LAT = 0.7
 #: The largest bandwidth probe, bytes
 _MAX_PROBE = 64 * 1024 * 1024
 #: float32 elements of the buffer measure_network compresses and decompresses (4 MiB)
@@ -227,7 +235,7 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
         "decentralized": lat + model_bytes / bps,
         "low_precision_decentralized": lat + 2 * model_bytes / _UINT8 / bps + codec,
     }
-    h = None
+    h, hide = None, 0
     factor = dict(STEPS_FACTOR)
     if compute_s > 0:    # communicating rarely pays only against a known computation time
         # one 4-bit compressed allreduce of the model (its latency rounds, an eighth of the
@@ -238,10 +246,11 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
             h = diloco_sync_every(sync, compute_s)
             comm["diloco"], factor["diloco"] = sync / h, diloco_steps_factor(h)
         else:     # the run's plan: whole sync periods, with the plan's headroom
-            plan = diloco_plan(sync, compute_s, total_steps)
-            h = plan.sync_every
-            comm["diloco"] = plan.syncs * sync / plan.steps
-            factor["diloco"] = plan.steps / total_steps
+            plan = _diloco_run_plan(sync, compute_s, total_steps)
+            h, hide = plan.sync_every, plan.overlap_steps
+            # the plan's time per DDP step: (compute + comm) x factor = time / total_steps
+            factor["diloco"] = (plan.steps + hide) / total_steps
+            comm["diloco"] = plan.time_s / (plan.steps + hide) - compute_s
     scores = {a: (compute_s + c) * factor[a] for a, c in comm.items()}
     best = min(scores, key=scores.get)
     if (scores["gradient_allreduce"] <= (TIE if compute_s else TIE_UNKNOWN_COMPUTE) * scores[best]
@@ -253,6 +262,8 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
 
         # chunks: one per rank exchanging the outer gradient (node leaders when hierarchical)
         kwargs["sync_every"] = h
+        if hide:
+            kwargs["overlap_steps"] = hide
         kwargs["outer_momentum"] = DILOCO_OUTER_MOMENTUM
         kwargs["compressor"] = MinMaxUInt4(n if hier else world_size, error_feedback=True)
     if best == "decentralized":
@@ -265,9 +276,25 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
                                           "exchange with two neighbours",
            "diloco": f"communication dominates the step: train locally and average every "
                      f"{h} steps, the outer gradient in 4 bits, outer momentum "
-                     f"{DILOCO_OUTER_MOMENTUM} (DiLoCo)"}[best]
+                     f"{DILOCO_OUTER_MOMENTUM} (DiLoCo)"
+                     + (f", each sync hidden behind the {hide} inner steps it takes (keep "
+                        f"model.synced_state_dict(), the model the ranks agree on)"
+                        if hide else "")}[best]
     est = ", ".join(f"{a} {1e3 * s:.0f}" for a, s in sorted(scores.items(), key=lambda x: x[1]))
     return best, kwargs, f"{why} (est. ms/step x steps factor: {est})", scores
+
+
+def _diloco_run_plan(sync_s: float, compute_s: float, total_steps: int) -> DiLoCoPlan:
+    """The faster of DiLoCo's two plans for a run: every sync blocking, or every sync
+    overlapping the inner steps it takes (Streaming DiLoCo; the run's result is then the
+    anchor, ``synced_state_dict()``).  Both are priced with a sync's host work
+    (:data:`DILOCO_SYNC_HOST_S`, which the blocking plan's own choice of H leaves to its tie
+    rule); ties (within 2%) go to the blocking one, whose ranks hold the synced model."""
+    plain = diloco_plan(sync_s, compute_s, total_steps)
+    hidden = diloco_plan(sync_s, compute_s, total_steps, overlap=True)
+    if hidden.time_s < (plain.time_s + plain.syncs * DILOCO_SYNC_HOST_S) / 1.02:
+        return hidden
+    return plain
 
 
 def _shift(buf: torch.Tensor, out: torch.Tensor, dst: int, src: int, group) -> None:
@@ -349,18 +376,14 @@ def _measure(group, time_limit_s, device, agree: list[float]):
     _shift(tiny, tiny_out, dst, src, group)    # connections up, first-use costs paid
     _settle(device)
     rounds = []
-    for _ in range(3):      # each costs a round trip: 0.1 s apiece at 50 ms one way
+    for _ in range(2):      # each costs a round trip: 0.1 s apiece at 50 ms one way
         t = time.monotonic()
         _shift(tiny, tiny_out, dst, src, group)
         _settle(device)
         rounds.append(time.monotonic() - t)
     # Every rank encodes at once, as in training: processes sharing cores pay for it here.
-    # One MAX for all of it: each collective costs the group's latency rounds (at 50 ms one
-    # way, ~0.6 s for 4 ranks), more than a probe.
-    latency, codec, ssai, spent, *agree = _max([sorted(rounds)[len(rounds) // 2],
-                                                _codec_seconds(device=device), ssai,
-                                                time.monotonic() - t0, *agree], group)
-    probes, size = [], 64 * 1024
+    codec = _codec_seconds(device=device)
+    probes, size, first = [], 64 * 1024, True
     while True:
         buf = torch.zeros(size // 4, device=device)
         out = torch.empty_like(buf)
@@ -371,11 +394,19 @@ def _measure(group, time_limit_s, device, agree: list[float]):
             _shift(buf, out, dst, src, group)
             _settle(device)
             best = min(best, time.monotonic() - t)
-        best, spent = _max([best, time.monotonic() - t0], group)
+        if first:
+            # One MAX for the latency (the faster tiny exchange: delays only add to it), the
+            # codec, the first probe and the caller's numbers: each collective costs a
+            # latency round (at 50 ms one way ~0.15 s between 4 hosts), as much as a probe
+            latency, codec, ssai, best, spent, *agree = _max(
+                [min(rounds), codec, ssai, best, time.monotonic() - t0, *agree], group)
+            first = False
+        else:
+            best, spent = _max([best, time.monotonic() - t0], group)
         probes.append((size, best))
-        # long enough to be read: its transfer at least 0.1 s and at least the latency it is
-        # corrected by (at 10 Mbit/s a 256 KiB probe, 0.2 s)
-        read = max(PROBE_READ_S, latency)
+        # long enough to be read: its transfer at least PROBE_READ_S and PROBE_READ_LAT of
+        # the latency it is corrected by (at 10 Mbit/s a 256 KiB probe, 0.2 s)
+        read = max(PROBE_READ_S, PROBE_READ_LAT * latency)
         if best - latency > read or size >= _MAX_PROBE:
             break
         # the next, 4x this one, only if it fits in what is left of the time limit, twice
