@@ -80,7 +80,7 @@ def run_rank(variant: str, sync_every: int, steps: int, lr: float, size: str, ev
     import torch
     import torch.distributed as dist
     from _e2e_model import MarkovText, lm_loss, make_model
-    from _e2e_worker import _anchor_snapshot, _evaluate
+    from _e2e_worker import _evaluate
 
     import bagua_algos
     import bagua_comm as bc
@@ -119,7 +119,7 @@ def run_rank(variant: str, sync_every: int, steps: int, lr: float, size: str, ev
             if tau and applied:     # the synced model, as the main job scores a hiding row
                 ranks_curve.append((step, float(t) / world))
                 twin = copy.deepcopy(model)
-                twin.load_state_dict(_anchor_snapshot(model, wrapped.impl))
+                twin.load_state_dict(wrapped.synced_state_dict())
                 with torch.no_grad():
                     t = torch.tensor([_evaluate(twin, evalset)])
             curve.append((step, float(t) / world if not (tau and applied) else float(t)))
