@@ -58,6 +58,13 @@ DILOCO_OUTER_BYTES = 1 / 8
 DILOCO_SYNC_HOST_S = 0.1
 
 
+#: The shortest sync period planned with overlap.  Measured on the main job's small model to
+#: DDP's loss after 80 steps, a sync overlapping T inner steps cost the anchor nothing beyond
+#: those T steps at H >= 16 (H/T = 16/14, 20/8, 20/18, 22/13, 27/2, 75/8, 75/18), but at H = 4,
+#: T = 2 it needed 116 steps where H = 4 without overlap needed 96
+DILOCO_MIN_HIDDEN_SYNC_EVERY = 16
+
+
 def diloco_steps_factor(sync_every: int) -> float:
     """DiLoCo's estimated steps to DDP's loss, as a multiple of DDP's, at ``sync_every``."""
     return 1.0 + DILOCO_STEPS_PER_LOG_H * math.log(max(1, sync_every))
@@ -143,15 +150,21 @@ def diloco_plan(sync_s: float, compute_s: float, total_steps: int, *,
     ``T`` steps are paid (the synced model, the anchor, reaches the target when that sync
     lands: ``benchmarks/studies/diloco_depth.py`` measured exactly ``+T`` steps on it) and
     the others cost nothing on the wire.  H is then at least ``T + 1`` (a sync lands before
-    the next one starts); a sync longer than 511 steps pays the rest, and every sync pays
-    ``host_s`` (default :data:`DILOCO_SYNC_HOST_S` with overlap, 0 without), so that a sync
-    cheap on the wire is not planned every few steps.  The plan's ``overlap_steps`` is ``T``
-    (0 without overlap)."""
+    the next one starts) and :data:`DILOCO_MIN_HIDDEN_SYNC_EVERY`; a sync longer than 511
+    steps pays the rest, and every sync pays ``host_s`` (default :data:`DILOCO_SYNC_HOST_S`
+    with overlap, 0 without), so that a sync cheap on the wire is not planned every few
+    steps.  Priced by the expected time to the target, not whole periods with headroom
+    (:func:`_hidden_plan`); the plan's ``time_s`` is that, its ``steps`` and ``syncs`` the
+    whole periods that cover ``S``.  The plan's ``overlap_steps`` is ``T`` (0 without
+    overlap)."""
     n = max(1, int(total_steps))
     c, sync_s = max(0.0, compute_s), max(0.0, sync_s)
     hide = overlap_steps_for(sync_s, c) if overlap else 0
     host = max(0.0, (DILOCO_SYNC_HOST_S if overlap else 0.0) if host_s is None else host_s)
     floor = max(DILOCO_MIN_SYNC_EVERY, hide + 1)
+    if overlap:
+        return _hidden_plan(n, c, sync_s, hide, host, max(floor, DILOCO_MIN_HIDDEN_SYNC_EVERY),
+                            min_syncs)
     plans = []
     for k in range(max(1, min_syncs), n + 1):
         h = max(floor, math.ceil(margin * n / k))
@@ -161,15 +174,39 @@ def diloco_plan(sync_s: float, compute_s: float, total_steps: int, *,
                 break
             h = need
         h = min(512, h)
-        if overlap:   # the wire's time beyond the hidden steps is paid at every sync
-            t = (k * h + hide) * c + k * (host + max(0.0, sync_s - hide * c))
-        else:
-            t = k * h * c + k * (host + sync_s)
+        t = k * h * c + k * (host + sync_s)
         plans.append(DiLoCoPlan(h, k * h, k, t, hide))
         if h <= floor:
             break
     fastest = min(p.time_s for p in plans)
     return min((p for p in plans if p.time_s <= 1.02 * fastest), key=lambda p: p.syncs)
+
+
+def _hidden_plan(n: int, c: float, sync_s: float, hide: int, host: float, floor: int,
+                 min_syncs: int) -> DiLoCoPlan:
+    """:func:`diloco_plan` with overlap.  A run stops at the first sync that reaches its
+    target, which the anchor does after about ``S = diloco_steps_factor(H) x n`` steps: on
+    average half a period past it, then the last sync's ``T`` steps.  With the syncs'
+    transfers hidden, each costs only its host work (and any wire time beyond ``T`` steps),
+    so H trades that against the half period:
+    ``time = (S + H / 2 + T) x c + S / H x (host + max(0, sync - T x c))``, least over H in
+    [``floor``, 512] (``floor`` at least :data:`DILOCO_MIN_HIDDEN_SYNC_EVERY`) with at least
+    ``min_syncs`` syncs in S.  Not :func:`diloco_plan`'s
+    whole-period headroom: on the main job's 4 hosts at 100 Mbit/s, 50 ms that picked H = 27
+    (5 x 27 = 135 >= 1.1 x 1.53 x 80), whose 4th sync at 108 steps fell short and the 5th
+    landed at 150, where H = 22 had landed at 123 (5 x 22 = 110 reached it)."""
+    wire = max(0.0, sync_s - hide * c)
+    best = None
+    for h in range(floor, 513):
+        need = n * diloco_steps_factor(h)
+        if best is not None and need / h < min_syncs:
+            break
+        t = (need + h / 2 + hide) * c + need / h * (host + wire)
+        if best is None or t < best[0]:
+            best = (t, h, need)
+    t, h, need = best
+    k = max(min_syncs, math.ceil(need / h))
+    return DiLoCoPlan(h, k * h, k, t, hide)
 
 
 def diloco_sync_every(comm_s: float, compute_s: float, overhead: float = 0.1, *,
