@@ -416,9 +416,9 @@ def test_a_known_run_length_plans_sync_every_for_the_fewest_seconds_to_its_loss(
         assert scores["diloco"] == pytest.approx(plan.time_s / 160)
         assert ("synced_state_dict()" in why) is hidden_wins
     # a free sync: hiding it only costs the step the last one lands after; ties (2%) block
-    from bagua_algos.tuning.recommend import _diloco_run_plan
-    assert _diloco_run_plan(0.0, 0.29, 160) == diloco_plan(0.0, 0.29, 160)
-    assert _diloco_run_plan(0.005, 0.29, 160).overlap_steps == 0
+    from bagua_algos.tuning.recommend import diloco_run_plan
+    assert diloco_run_plan(0.0, 0.29, 160) == diloco_plan(0.0, 0.29, 160)
+    assert diloco_run_plan(0.005, 0.29, 160).overlap_steps == 0
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="total_steps"):
             choose(10, 0, 4, 5.76e6, compute_s=0.29, total_steps=bad)

@@ -209,6 +209,22 @@ def _hidden_plan(n: int, c: float, sync_s: float, hide: int, host: float, floor:
     return DiLoCoPlan(h, k * h, k, t, hide)
 
 
+def diloco_run_plan(sync_s: float, compute_s: float, total_steps: int) -> DiLoCoPlan:
+    """The faster of DiLoCo's two plans for a run: every sync blocking, or every sync
+    overlapping the inner steps it takes (Streaming DiLoCo; the run's result is then the
+    anchor, ``synced_state_dict()``).  Both are priced with a sync's host work
+    (:data:`DILOCO_SYNC_HOST_S`, which the blocking plan's own choice of H leaves to its tie
+    rule); ties (within 2%) go to the blocking one, whose ranks hold the synced model.
+    The hidden plan's time is its expected time to the target, the blocking plan's its whole
+    periods with headroom, so the comparison leans towards hiding by up to half a period; on
+    the main job's map hiding was the faster row in 3 of 4 cells (docs/tradeoff.md)."""
+    plain = diloco_plan(sync_s, compute_s, total_steps)
+    hidden = diloco_plan(sync_s, compute_s, total_steps, overlap=True)
+    if hidden.time_s < (plain.time_s + plain.syncs * DILOCO_SYNC_HOST_S) / 1.02:
+        return hidden
+    return plain
+
+
 def diloco_sync_every(comm_s: float, compute_s: float, overhead: float = 0.1, *,
                       total_steps: int | None = None,
                       min_syncs: int = DILOCO_MIN_SYNCS) -> int:

@@ -53,9 +53,9 @@ from .diloco_cost import (  # noqa: F401  (DiLoCo's cost model, re-exported: rec
     DILOCO_OUTER_MOMENTUM,
     DILOCO_PLAN_MARGIN,
     DILOCO_STEPS_PER_LOG_H,
-    DILOCO_SYNC_HOST_S,
     DiLoCoPlan,
     diloco_plan,
+    diloco_run_plan,
     diloco_steps_factor,
     diloco_sync_every,
     diloco_sync_seconds,
@@ -246,7 +246,7 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
             h = diloco_sync_every(sync, compute_s)
             comm["diloco"], factor["diloco"] = sync / h, diloco_steps_factor(h)
         else:     # the run's plan: whole sync periods, with the plan's headroom
-            plan = _diloco_run_plan(sync, compute_s, total_steps)
+            plan = diloco_run_plan(sync, compute_s, total_steps)
             h, hide = plan.sync_every, plan.overlap_steps
             # the plan's time per DDP step: (compute + comm) x factor = time / total_steps
             factor["diloco"] = (plan.steps + hide) / total_steps
@@ -282,19 +282,6 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
                         if hide else "")}[best]
     est = ", ".join(f"{a} {1e3 * s:.0f}" for a, s in sorted(scores.items(), key=lambda x: x[1]))
     return best, kwargs, f"{why} (est. ms/step x steps factor: {est})", scores
-
-
-def _diloco_run_plan(sync_s: float, compute_s: float, total_steps: int) -> DiLoCoPlan:
-    """The faster of DiLoCo's two plans for a run: every sync blocking, or every sync
-    overlapping the inner steps it takes (Streaming DiLoCo; the run's result is then the
-    anchor, ``synced_state_dict()``).  Both are priced with a sync's host work
-    (:data:`DILOCO_SYNC_HOST_S`, which the blocking plan's own choice of H leaves to its tie
-    rule); ties (within 2%) go to the blocking one, whose ranks hold the synced model."""
-    plain = diloco_plan(sync_s, compute_s, total_steps)
-    hidden = diloco_plan(sync_s, compute_s, total_steps, overlap=True)
-    if hidden.time_s < (plain.time_s + plain.syncs * DILOCO_SYNC_HOST_S) / 1.02:
-        return hidden
-    return plain
 
 
 def _shift(buf: torch.Tensor, out: torch.Tensor, dst: int, src: int, group) -> None:
