@@ -196,7 +196,8 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
     With the computation known, DiLoCo (train locally, average every H steps) is a candidate
     too: its cost only makes sense against it (``with_bagua(..., "auto")`` does not know it;
     ``recommend(model, compute_s=...)`` does); ``total_steps`` (the run's planned steps: DDP's steps
-    to the loss it aims at) plans its H for that run (:func:`diloco_plan`).
+    to the loss it aims at) plans its H for that run, with its syncs blocking or hidden
+    behind inner steps (``overlap_steps``), whichever is faster (:func:`diloco_run_plan`).
     ``codec_s_per_byte`` (seconds per model byte for one compress + decompress, as
     :func:`measure_network` times it; None: :data:`CODEC_S_PER_BYTE`) prices the compressed
     algorithms' encoding.  ``slow_start``: the hosts restart TCP from its initial window after
@@ -245,7 +246,7 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
         if total_steps is None:
             h = diloco_sync_every(sync, compute_s)
             comm["diloco"], factor["diloco"] = sync / h, diloco_steps_factor(h)
-        else:     # the run's plan: whole sync periods, with the plan's headroom
+        else:     # the run's plan: syncs blocking or hidden, whichever is faster
             plan = diloco_run_plan(sync, compute_s, total_steps)
             h, hide = plan.sync_every, plan.overlap_steps
             # the plan's time per DDP step: (compute + comm) x factor = time / total_steps
@@ -424,7 +425,8 @@ def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None
     what it measured and why it chose.  ``compute_s`` (a step's forward, backward and
     optimizer step, seconds) makes DiLoCo a candidate; ``total_steps`` (the run's planned
     optimizer steps: DDP's steps to the loss it aims at) plans its ``sync_every`` for that run
-    (:func:`diloco_plan`).
+    and, where hiding each sync behind inner steps is faster, its ``overlap_steps``
+    (:func:`diloco_run_plan`; keep ``model.synced_state_dict()`` then).
     ``BAGUA_ALGORITHM=<registry name>`` overrules it: no
     measurement, that algorithm.
     """
