@@ -73,6 +73,13 @@ def test_e2e_writes_every_field_and_ddp_traffic_matches_a_ring_allreduce(tmp_pat
             assert ("FELL BEHIND" in line["note"]) == (not line["kept_up"])
     if report["testbed"]["used"]:
         assert "| 2 ms |" in markdown(report["runs"])
+        # the TCP switches the hosts ran under, as read in a host: a new namespace inherits
+        # the machine's congestion control and starts with the slow-start switch on
+        cc = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+        assert report["testbed"]["tcp"] == {"tcp_congestion_control": cc,
+                                            "tcp_slow_start_after_idle": "1"}
+    else:
+        assert report["testbed"]["tcp"] is None
     # An algorithm bagua_algos does not register is reported, never silently skipped.
     assert runs["no_such_algorithm"]["status"] == "unavailable"
     assert runs["no_such_algorithm"]["samples_per_s"] is None

@@ -153,6 +153,9 @@ def test_tcp_slow_start_after_idle_is_set_in_every_host_only(mode):
         for i in range(2):
             out = tb.run(i, ["cat", str(knob)], capture_output=True, text=True, check=True)
             assert int(out.stdout) == want
+        cc = Path("/proc/sys/net/ipv4/tcp_congestion_control")
+        assert tb.tcp_settings(1) == {"tcp_slow_start_after_idle": str(want),
+                                      "tcp_congestion_control": cc.read_text().strip()}
         assert knob.read_text() == before          # the machine's own namespace untouched
 
 

@@ -54,7 +54,7 @@ from _e2e_rows import (
     sync_every_of_row,
 )
 
-from bagua_algos.tuning.recommend import _slow_start_after_idle
+from bagua_algos.tuning.recommend import _restarts_after_idle, _slow_start_after_idle
 
 
 class Unavailable(Exception):
@@ -162,9 +162,10 @@ def _network(args) -> dict | None:
             "latency_ms": 2 * args.network_latency_ms,
             "nodes": max(1, world // max(1, args.procs_per_host)),
             "model_bytes": 4 * num_params(make_model(args.size, seed=args.seed)),
-            # the hosts restart TCP from its initial window after idle (the kernel's default,
-            # as recommend reads it): a sync after H silent steps pays slow start
-            "slow_start": _slow_start_after_idle() == 1.0}
+            # the hosts restart TCP from its initial window after idle (the switch on and a
+            # congestion control other than BBR, as recommend reads it): a sync after H
+            # silent steps pays slow start
+            "slow_start": _restarts_after_idle(_slow_start_after_idle()) == 1.0}
 
 
 def _ddp_step(args) -> float:

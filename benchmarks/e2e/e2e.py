@@ -405,6 +405,7 @@ def main(argv=None) -> int:
         console = PlainConsole()
     t_start = time.monotonic()
     tb = None
+    tcp = None      # the hosts' TCP switches (the JSON's testbed.tcp)
     if args.no_testbed:
         ok, why = False, "--no-testbed given"
     else:
@@ -416,6 +417,7 @@ def main(argv=None) -> int:
         tb = Testbed(n_hosts=args.hosts, bandwidth_mbit=None, name=args.testbed_name,
                      tcp_slow_start_after_idle=None if sssi is None else bool(sssi))
         tb.__enter__()
+        tcp = tb.tcp_settings()
         console.print(f"[bold]testbed[/]: {args.hosts} emulated hosts "
                       f"({', '.join(h.addr for h in tb.hosts)}), {why}")
     else:
@@ -477,7 +479,8 @@ def main(argv=None) -> int:
     lines = verdict(runs, targets)
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "testbed": {"used": ok, "why": why, "mode": tb.mode if tb else None},
+        "testbed": {"used": ok, "why": why, "mode": tb.mode if tb else None,
+                    "tcp": tcp},
         "model": {"size": args.size, "params": num_params(model),
                   "loss_at_init": initial_loss(data.vocab), "loss_floor": data.entropy()},
         # docs/design.md §10: the targets at depth and the headline (the issue-era performance goals

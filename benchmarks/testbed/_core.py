@@ -159,7 +159,8 @@ class Testbed:
     ``tcp_slow_start_after_idle`` sets that kernel switch in every host's namespace (None:
     the kernel's default, on). On, a TCP connection idle for one retransmission timeout
     restarts from its initial window, so a step's burst over a far link pays several round
-    trips of slow start; WAN-tuned hosts turn it off.
+    trips of slow start; WAN-tuned hosts turn it off.  Linux skips that restart under BBR,
+    and the hosts inherit the machine's congestion control (:meth:`tcp_settings`).
     ``mode`` is ``"auto"`` (root if possible, else ``unshare``), ``"root"`` or ``"unshare"``.
     With ``keep=True`` the hosts outlive this object (``python benchmarks/testbed up``).
     """
@@ -446,6 +447,18 @@ class Testbed:
         """Run ``argv`` inside host ``i``'s namespace to completion."""
         run_kw["env"] = self.env(i, run_kw.get("env"))
         return subprocess.run(self._argv(i, argv), **run_kw)
+
+    def tcp_settings(self, i: int = 0) -> dict:
+        """The TCP switches host ``i``'s connections run under (strings as the kernel writes
+        them; None where unreadable): ``tcp_congestion_control``, which a host inherits from
+        the machine (a namespace may not change it here), and ``tcp_slow_start_after_idle``,
+        which has no effect under BBR (Linux exempts it from the restart after idle)."""
+        out = {}
+        for key in ("tcp_congestion_control", "tcp_slow_start_after_idle"):
+            r = self.run(i, ["cat", f"/proc/sys/net/ipv4/{key}"], capture_output=True,
+                         text=True, check=False)
+            out[key] = r.stdout.strip() if r.returncode == 0 else None
+        return out
 
     def __repr__(self) -> str:
         return (f"Testbed(name={self.name!r}, mode={self.mode!r}, hosts={self.n_hosts}, "

@@ -104,9 +104,16 @@ class NetworkMeasurement:
     #: seconds per float32 byte for one MinMaxUInt8 compress + decompress, on the slowest rank
     #: (None: not measured; :data:`CODEC_S_PER_BYTE` is assumed)
     codec_s_per_byte: float | None = None
-    #: net.ipv4.tcp_slow_start_after_idle on any rank (None: not Linux, unknown).  On, each
-    #: step's burst over a far link restarts TCP from its initial window (see the log line)
+    #: net.ipv4.tcp_slow_start_after_idle on any rank (None: not Linux, unknown)
     tcp_slow_start_after_idle: bool | None = None
+    #: whether a connection idle for a retransmission timeout restarts from TCP's initial
+    #: window on any rank: the switch above on and a congestion control that obeys it (None:
+    #: unknown).  BBR keeps its model across idle (Linux skips the restart for a congestion
+    #: control with its own ``cong_control``): with the switch on, a DiLoCo sync after 1.2 s of
+    #: silence took 0.31-0.33 s under BBR, as with the switch off, and 0.37-0.38 s under CUBIC
+    #: (0.29-0.30 s off); 4 hosts at 100 Mbit/s, 50 ms one way, MTU 9000.  What a sync pays in
+    #: slow start (see the log line)
+    tcp_restarts_after_idle: bool | None = None
     #: the device the probes and the codec ran on: the job's (its parameters'), so that a GPU
     #: job is priced by its own transport (NCCL) and its own codec kernels, not gloo and CPU
     device: str = "cpu"
@@ -114,6 +121,8 @@ class NetworkMeasurement:
 
 #: Where the switch lives (per network namespace, Linux)
 _SSAI = "/proc/sys/net/ipv4/tcp_slow_start_after_idle"
+#: ... and the congestion control new connections get (gloo sets none of its own)
+_CC = "/proc/sys/net/ipv4/tcp_congestion_control"
 #: The exchange latency above which the slow-start switch is worth a warning: a burst restarted
 #: from TCP's initial window of ~14 KB needs ~log2(bytes / 14 KB) round trips to reach a
 #: megabyte window (about 7), which at this latency is >= 0.1 s a step
@@ -129,10 +138,25 @@ def _slow_start_after_idle() -> float:
         return -1.0
 
 
+def _restarts_after_idle(ssai: float) -> float:
+    """1.0/0.0: whether this host's new TCP connections restart from the initial window after
+    idle (``ssai``, :func:`_slow_start_after_idle`, on and a congestion control that is not
+    BBR, which Linux exempts); -1.0: unknown.  The switch alone where the congestion control
+    cannot be read."""
+    if ssai <= 0:
+        return ssai
+    try:
+        with open(_CC) as f:
+            cc = f.read().strip()
+    except OSError:
+        return ssai
+    return 0.0 if cc.startswith("bbr") else 1.0
+
+
 def slow_start_note(m: NetworkMeasurement) -> str:
     """A warning for the log line when TCP restarts slow start after idle on a far link
     ("" otherwise)."""
-    if not m.tcp_slow_start_after_idle or m.latency_ms < SLOW_START_WARN_MS:
+    if not m.tcp_restarts_after_idle or m.latency_ms < SLOW_START_WARN_MS:
         return ""
     return (f"; note: net.ipv4.tcp_slow_start_after_idle=1 on these hosts: at "
             f"{m.latency_ms:.0f} ms each step's burst restarts TCP from its initial window "
@@ -201,7 +225,8 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
     ``codec_s_per_byte`` (seconds per model byte for one compress + decompress, as
     :func:`measure_network` times it; None: :data:`CODEC_S_PER_BYTE`) prices the compressed
     algorithms' encoding.  ``slow_start``: the hosts restart TCP from its initial window after
-    idle (``net.ipv4.tcp_slow_start_after_idle=1``), which a DiLoCo sync, after H silent steps,
+    idle (``net.ipv4.tcp_slow_start_after_idle=1`` and a congestion control other than BBR:
+    ``NetworkMeasurement.tcp_restarts_after_idle``), which a DiLoCo sync, after H silent steps,
     pays in round trips (:func:`~bagua_algos.tuning.diloco_cost.diloco_sync_seconds`).
     Raises ``ValueError`` naming the argument for a non-positive bandwidth, a negative latency,
     compute time or codec cost, or a world size below 1.
@@ -360,6 +385,7 @@ def _measure(group, time_limit_s, device, agree: list[float]):
     if world == 1:
         return NetworkMeasurement(float("inf"), 0.0, 1, 1, 0.0, device=str(device)), agree
     ssai = _slow_start_after_idle()
+    restarts = _restarts_after_idle(ssai)
     tiny, tiny_out = torch.zeros(1, device=device), torch.zeros(1, device=device)
     _shift(tiny, tiny_out, dst, src, group)    # connections up, first-use costs paid
     _settle(device)
@@ -386,8 +412,9 @@ def _measure(group, time_limit_s, device, agree: list[float]):
             # One MAX for the latency (the faster tiny exchange: delays only add to it), the
             # codec, the first probe and the caller's numbers: each collective costs a
             # latency round (at 50 ms one way ~0.15 s between 4 hosts), as much as a probe
-            latency, codec, ssai, best, spent, *agree = _max(
-                [min(rounds), codec, ssai, best, time.monotonic() - t0, *agree], group)
+            latency, codec, ssai, restarts, best, spent, *agree = _max(
+                [min(rounds), codec, ssai, restarts, best, time.monotonic() - t0, *agree],
+                group)
             first = False
         else:
             best, spent = _max([best, time.monotonic() - t0], group)
@@ -408,6 +435,7 @@ def _measure(group, time_limit_s, device, agree: list[float]):
     bandwidth = size * 8 / max(t - latency, 1e-6) / 1e6
     return NetworkMeasurement(bandwidth, latency * 1e3, world, nodes, spent, probes,
                               codec / (4 * _CODEC_PROBE), None if ssai < 0 else bool(ssai),
+                              None if restarts < 0 else bool(restarts),
                               str(device)), agree
 
 
@@ -460,7 +488,7 @@ def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None
                                        model_bytes, compute_s=compute_s, nodes=m.nodes,
                                        total_steps=total_steps,
                                        codec_s_per_byte=m.codec_s_per_byte,
-                                       slow_start=bool(m.tcp_slow_start_after_idle))
+                                       slow_start=bool(m.tcp_restarts_after_idle))
     bucket = bucket_size_for(name, m.bandwidth_mbit, m.latency_ms, m.nodes, model_bytes)
     if measurement is not None:    # given, perhaps not alike on every rank: rank 0's choice
         name, kwargs, bucket = bc.broadcast_object((name, kwargs, bucket), src=0, group=group)
