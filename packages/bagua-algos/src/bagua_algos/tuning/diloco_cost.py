@@ -80,7 +80,8 @@ COMPRESSED_ROUNDS = 2
 #: TCP's congestion window after the connection was idle (Linux's initial window: 10 segments
 #: of 1448 bytes).  With net.ipv4.tcp_slow_start_after_idle=1 (Linux's default) a burst sent
 #: after a silence longer than a retransmission timeout restarts from it and doubles each
-#: round trip: a DiLoCo sync, after H steps of silence, always does
+#: round trip, under any congestion control but BBR (which Linux exempts): a DiLoCo sync,
+#: after H steps of silence, always does
 TCP_INITIAL_WINDOW = 10 * 1448
 
 
@@ -97,10 +98,13 @@ def diloco_sync_seconds(bandwidth_mbit: float, latency_ms: float, nodes: int,
     gradient in 4 bits among ``nodes`` (:data:`COMPRESSED_ROUNDS` exchanges of
     ``latency_ms``, the ring's bytes / 8, the codec).  ``latency_ms`` is recommend's unit,
     one tiny exchange (about a round trip on gloo).  ``slow_start``: the hosts restart TCP
-    from its initial window after idle (``net.ipv4.tcp_slow_start_after_idle=1``), so each
-    exchange takes :func:`slow_start_round_trips` of one peer's share instead of one round
-    trip (measured on 4 hosts at 100 Mbit/s, 50 ms one way: a sync of the main job's small
-    model 1.05-1.6 s, where one round trip per exchange said 0.30 s)."""
+    from its initial window after idle (``net.ipv4.tcp_slow_start_after_idle=1`` and a
+    congestion control other than BBR: ``NetworkMeasurement.tcp_restarts_after_idle``), so
+    each exchange takes :func:`slow_start_round_trips` of one peer's share instead of one
+    round trip.  Measured on 4 hosts at 100 Mbit/s, 50 ms one way (MTU 9000), a sync of the
+    main job's small model after 1.2 s of silence: 0.31-0.33 s under BBR with the switch on
+    or off, 0.37-0.38 s under CUBIC with it on (0.29-0.30 s off); one round trip per
+    exchange says 0.30 s."""
     n = max(1, nodes)
     per_byte = CODEC_S_PER_BYTE if codec_s_per_byte is None else codec_s_per_byte
     ring = 2 * (n - 1) / n * model_bytes
