@@ -161,7 +161,7 @@ def main():
     p.add_argument("--connect-after-go", action="store_true",
                    help="join the Lighthouse only once go-<tag> is there (a replica that joins)")
     p.add_argument("--hold-at", type=int, default=-1,
-                   help="before this step, wait for <sync-dir>/release")
+                   help="before this step, write held-<tag> and wait for <sync-dir>/release")
     p.add_argument("--fail-heals", type=int, default=0,
                    help="the first N heal transfers to this replica fail (a reset connection)")
     p.add_argument("--die-in-configure", type=int, default=0,
@@ -224,6 +224,7 @@ def run(args):
         if args.sync_dir and os.path.exists(os.path.join(args.sync_dir, "stop")):
             break
         if ft.committed_steps == args.hold_at:
+            open(os.path.join(args.sync_dir, f"held-{args.tag}"), "w").close()
             wait_for(os.path.join(args.sync_dir, "release"))
             args.hold_at = -1
         opt.zero_grad()

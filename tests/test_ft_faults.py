@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from test_ft import _assert_identical, _env, _log, _spawn, _wait
+from test_ft import _assert_identical, _env, _log, _release_when_asked, _spawn, _wait
 
 pytest.importorskip("torchft", reason="torchft is not installed: pip install 'bagua-algos[ft]'")
 pytest.importorskip("bagua_data")
@@ -80,8 +80,7 @@ def test_a_host_dying_in_the_group_configure_of_a_join_spares_the_joiner(tmp_pat
             assert time.time() < end and a.poll() is None, (tmp_path / "a.out").read_text()
             time.sleep(0.05)
         (tmp_path / "go-c").touch()
-        _wait(tmp_path / "connected-c", procs)
-        (tmp_path / "release").touch()
+        _release_when_asked(tmp_path, lighthouse, "ab", 1, procs)
         assert b.wait(120) == -signal.SIGKILL
         assert c.wait(150) == 0, (tmp_path / "c.out").read_text()[-3000:]
         assert a.wait(60) == 0, (tmp_path / "a.out").read_text()[-3000:]

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from test_ft import _assert_identical, _flat, _log, _spawn, _wait
+from test_ft import _assert_identical, _flat, _log, _release_when_asked, _spawn, _wait
 
 pytest.importorskip("torchft", reason="torchft is not installed: pip install 'bagua-algos[ft]'")
 pytest.importorskip("bagua_data")
@@ -81,8 +81,7 @@ def _run_join(tmp, lighthouse, algo):
                 assert p.poll() is None, (tmp / "a.out").read_text()[-3000:]
             time.sleep(0.05)
         (tmp / "go-c").touch()                 # the joiner connects and asks to join,
-        _wait(tmp / "connected-c", procs)      # then the held replicas go on
-        (tmp / "release").touch()
+        _release_when_asked(tmp, lighthouse, "ab", 1, procs)   # then the held ones go on
         for p, t in zip(procs, "abc"):
             assert p.wait(120) == 0, (tmp / f"{t}.out").read_text()[-3000:]
     finally:
@@ -148,8 +147,7 @@ def _run_failed_heal(tmp, lighthouse, algo, hold=4, steps=8):
             assert procs[0].poll() is None, (tmp / "b.out").read_text()[-3000:]
             time.sleep(0.05)
         (tmp / "go-a").touch()
-        _wait(tmp / "connected-a", procs)
-        (tmp / "release").touch()
+        _release_when_asked(tmp, lighthouse, "b", 1, procs)
         for p, t in zip(procs, "ba"):
             assert p.wait(120) == 0, (tmp / f"{t}.out").read_text()[-3000:]
     finally:
