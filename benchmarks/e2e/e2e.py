@@ -153,6 +153,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, help="write every number here")
     _results.add_options(ap)
     ap.add_argument("--plot", type=Path, default=Path("out/e2e/e2e.png"))
+    ap.add_argument("--replot", type=Path, metavar="JSON",
+                    help="run nothing: draw --plot again from an earlier run's --json")
     ap.add_argument("--workdir", type=Path, default=Path("out/e2e/work"))
     ap.add_argument("--stall-seconds", type=float, default=300.0,
                     help="a job making no progress for this long is killed")
@@ -394,8 +396,20 @@ def delay_line_check(before: dict | None, after: dict | None) -> dict | None:
     return d
 
 
+def replot(report: dict, path: Path, source: str) -> Path | None:
+    """The run's picture drawn again from its JSON (after a change to the drawing)."""
+    params = (report.get("model") or {}).get("params")
+    what = f"{params / 1e6:.2f}M-param transformer, " if params else ""
+    return plot(report["runs"], path, subtitle=f"{what}redrawn from {source}",
+                targets=report.get("targets"), headline=report.get("headline"))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.replot is not None:
+        png = replot(json.loads(args.replot.read_text()), args.plot, args.replot.name)
+        print(f"plot: {png}" if png else "plot: skipped (pip install matplotlib)")
+        return 0
     start = _results.started()
     try:
         from rich.console import Console
@@ -461,7 +475,7 @@ def main(argv=None) -> int:
             tb.close()
     add_ratios(runs)
     depth_targets, headline, why_headline = add_targets(runs, args.depth_steps)
-    targets = check_targets(runs)
+    targets = check_targets(runs, headline)
     shape = f"{args.hosts} hosts x {args.procs_per_host} processes"
     mode = (f"testbed: {shape}, {why}" if ok else
             f"NO TESTBED ({why}): {shape} as loopback processes, unshaped")
@@ -475,7 +489,7 @@ def main(argv=None) -> int:
         value = "none reached it" if t["value"] is None else f"{t['value']:.2f}"
         console.print(f"goal {t['target']} "
                       f"({cell_label((t['bandwidth_mbit'], t['latency_ms']))}, "
-                      f"{t['algorithm']}): {value}, need {t['need']}: {mark}")
+                      f"{t['algorithm']}, at {t['at']}): {value}, need {t['need']}: {mark}")
     lines = verdict(runs, targets)
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
