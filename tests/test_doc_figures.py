@@ -82,17 +82,21 @@ def test_headline_figures_name_their_run_and_appear_where_said():
             assert h["value"] in figures(ROOT / page), f"{page} does not quote {key}={h['value']}"
 
 
-def test_bytegrad_has_one_speed_up():
-    """ByteGrad's time to DDP's loss is one number from one run wherever the docs give it; the
-    figures of older runs and the other direction ("2.14x", "1.55x sooner") are gone."""
-    value = json.loads(RESULTS.read_text())["headline"]["bytegrad_time_to_ddp_loss"]["value"]
+def test_bytegrad_has_one_speed_up_per_target():
+    """ByteGrad's time to a DDP loss is one number per target from one run wherever the docs
+    give it (the headline entries: DDP's loss after 30 steps, 2026-11-25; after 80, the target
+    training alone misses, 2026-11-29); the figures of older runs and the other direction
+    ("2.14x", "1.55x sooner") are gone."""
+    headline = json.loads(RESULTS.read_text())["headline"]
+    values = {headline[k]["value"] for k in ("bytegrad_time_to_ddp_loss",
+                                             "bytegrad_time_to_headline")}
     for page in PAGES:
         text = prose(page.read_text())
         for sentence in re.split(r"(?<=[.:;])\s|\n\n", text):
             if "ByteGrad" in sentence and "DDP's time" in sentence and "in that run" not in sentence:
                 said = re.findall(r"(\d+\.\d+x) DDP's time", sentence)
-                assert all(s == value for s in said if "ByteGrad" in sentence.split(s)[0][-80:]), (
-                    _name(page), sentence)
+                assert all(s in values for s in said
+                           if "ByteGrad" in sentence.split(s)[0][-80:]), (_name(page), sentence)
         for old in ("2.09x", "2.13x", "2.14x", "3.09x", "1.55x sooner"):
             assert old not in text, f"{_name(page)} still quotes ByteGrad's older {old}"
 
