@@ -267,8 +267,10 @@ def _install_stack(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job, quick: torch DDP against every bagua algorithm on emulated networks."""
+    """The main job, quick: torch DDP, its peers and bagua's algorithms on 4 emulated hosts, to a
+    loss training alone misses (docs/main-job.md#results)."""
     _install_stack(session)
+    session.install(f"{_pkg('bagua-algos')}[ft]")    # the ft_diloco row: torchft's own DiLoCo
     session.run("python", str(ROOT / "benchmarks" / "e2e" / "e2e.py"), "--quick",
                 "--json", "out/e2e/quick.json", "--plot", "out/e2e/quick.png", *session.posargs)
 

@@ -29,6 +29,7 @@ FIELDS = REQUIRED + ("status", "world_size", "procs_per_host", "step_s", "comput
                      "loss_vs_ddp", "ddp_loss_target", "time_to_ddp_loss_s",
                      "tta_x_ddp_time", "budget_s")
 TINY = ["--quick", "--size", "tiny", "--steps", "4", "--warmup", "1", "--wall-seconds", "0.5",
+        "--depths", "0.25,0.5,1,2,4", "--budget-factor", "1.25",
         "--hosts", "2", "--procs-per-host", "1"]
 
 
@@ -297,7 +298,10 @@ def _check_every_field(report: dict, hosts: int, procs: int) -> dict:
 
 @pytest.mark.timeout(420)
 def test_e2e_two_processes_per_host_every_row_communicates_in_its_window(tmp_path):
-    report, stdout = _run(tmp_path, "--procs-per-host", "2", "--bandwidths", "100")
+    from _e2e_rows import default_rows
+
+    report, stdout = _run(tmp_path, "--procs-per-host", "2", "--bandwidths", "100",
+                          "--algorithms", ",".join(default_rows(2)))
     runs = _check_every_field(report, 2, 2)
     assert {"ddp_fp16", "ddp_powersgd", "ddp_bytegrad_hook", "bytegrad_flat",
             "decentralized_shift_one", "async"} <= set(runs)
@@ -410,6 +414,25 @@ def test_quantised_low_rank_rows_send_8_bit_factors_in_chunks_the_world_divides(
         assert isinstance(comp, MinMaxUInt8) and comp.chunks == 32 and not comp.error_feedback
         assert mode_note(row, 1) == f"rank {rank}, 8-bit factors, EF, warm, start 2"
     assert "compressor" not in bagua_spec("low_rank", 1, world=4)[1]
+
+
+def test_quick_is_the_main_run_of_the_docs_at_a_target_alone_misses():
+    """``--quick`` (``nox -s demo``, README's first command) is the run docs/main-job.md
+    quotes: 4 hosts at 100 Mbit/s, DDP's loss after 10 to 80 steps, its dozen rows; the
+    full run keeps N/4 .. 4N; an explicit flag wins over either preset."""
+    from _e2e_rows import QUICK_ROWS
+    from e2e import parse_args
+
+    q = parse_args(["--quick"])
+    assert (q.hosts, q.procs_per_host, q.bandwidths, q.size) == (4, 1, [100], "small")
+    assert q.depth_steps == [10, 20, 40, 80] and q.budget_factor == 1.5
+    assert q.algorithms == QUICK_ROWS
+    report = json.loads(MAIN_JOB_JSON.read_text())
+    assert [r["algorithm"] for r in report["runs"]] == QUICK_ROWS        # the run quoted
+    assert [t["ddp_steps"] for t in report["targets"]] == q.depth_steps
+    full = parse_args(["--bandwidths", "100"])
+    assert full.depth_steps == [8, 15, 30, 60, 120]          # N = 30: 0.25N .. 4N
+    assert parse_args(["--quick", "--depths", "1,2"]).depth_steps == [10, 20]
 
 
 def test_sweep_rows_are_checked_and_added_to_the_full_run_only():

@@ -17,6 +17,7 @@ sys.path.append(str(ROOT / "benchmarks"))
 import _paths  # noqa: E402,F401  (benchmarks/_paths.py: benchmarks/e2e on sys.path)
 
 TINY = ["--quick", "--size", "tiny", "--steps", "4", "--warmup", "1", "--wall-seconds", "0.5",
+        "--depths", "0.25,0.5,1,2,4", "--budget-factor", "1.25",
         "--hosts", "2", "--procs-per-host", "1", "--no-testbed"]
 
 

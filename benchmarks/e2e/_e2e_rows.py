@@ -32,6 +32,11 @@ DEFAULT_ROWS = ["ddp", ALONE, "ddp_fp16", "ddp_powersgd", "ddp_bytegrad_hook",
                 "low_precision_decentralized", "async", "qadam", "local_sgd", "diloco", "diloco_u4",
                 "diloco_u4_m05", "ft_diloco",
                 "topk", "low_rank", "low_rank_r32_u8", "auto"]
+# --quick's rows (nox -s demo): the DDP peers, bagua's every-step compressed rows, the periodic
+# ones (torchft's DiLoCo beside ours) and the automatic choice; every row with --algorithms
+QUICK_ROWS = ["ddp", ALONE, "ddp_powersgd", "ddp_bytegrad_hook", "bytegrad", "topk",
+              "low_rank_r32_u8", "local_sgd", "diloco_u4_m05", "diloco_u4_m05_hide", "ft_diloco",
+              "auto"]
 # "auto": with_bagua(model, [opt], "auto") as a user runs it (network measured at the start,
 # the rule's algorithm and bucket size); the trade-off map scores the choice by this row
 # Communicate every sync_every steps (sync_every_for); ft_diloco (torchft's DiLoCo, the peer:

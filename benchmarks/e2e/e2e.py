@@ -1,6 +1,6 @@
 """The main job: torch DDP against every bagua algorithm, end to end, on emulated networks.
 
-    python benchmarks/e2e.py --quick          # 2 hosts x 2 processes, 100 Mbit/s
+    python benchmarks/e2e.py --quick          # 4 hosts, 100 Mbit/s, to DDP's loss after 80 steps
     python benchmarks/e2e.py --hosts 4 --bandwidths 100,1000 --json out/e2e.json
     python benchmarks/e2e.py --hosts 4 --bandwidths 100 --latencies 0,5,50   # with latency
 
@@ -50,15 +50,18 @@ from _e2e_report import (  # noqa: E402
     plot,
     verdict,
 )
-from _e2e_rows import ALONE, SYNC_SWEEP, default_rows, split_row  # noqa: E402
+from _e2e_rows import ALONE, QUICK_ROWS, SYNC_SWEEP, default_rows, split_row  # noqa: E402
 from _e2e_table import table  # noqa: E402
 from _e2e_targets import DEPTHS, add_targets, depth_steps, figures  # noqa: E402
 
 WORKER = str(HERE / "_e2e_worker.py")
-QUICK = {"bandwidths": "100", "size": "small", "steps": 6, "wall_seconds": 4.0, "hosts": 2,
-         "procs_per_host": 2, "budget_factor": 1.25}
+# --quick (nox -s demo): the main run of docs/main-job.md#results, 4 hosts at 100 Mbit/s, the
+# small model, DDP's loss after 10 to 80 steps (alone misses the last), a dozen rows (QUICK_ROWS)
+QUICK = {"bandwidths": "100", "size": "small", "steps": 10, "wall_seconds": 4.0, "hosts": 4,
+         "procs_per_host": 1, "budget_factor": 1.5, "depths": "1,2,4,8"}
 FULL = {"bandwidths": "100,1000,none", "size": "base", "steps": 30, "wall_seconds": 30.0,
-        "hosts": 2, "procs_per_host": 1, "budget_factor": 1.5}
+        "hosts": 2, "procs_per_host": 1, "budget_factor": 1.5,
+        "depths": ",".join(f"{d:g}" for d in DEPTHS)}
 _NUMERIC = ("samples_per_s", "step_s", "compute_s", "comm_s", "bytes_per_step",
             "bytes_per_step_accounted", "loss", "train_loss", "loss_at_wall", "window_steps",
             "window_s", "eval_curve", "loss_curve", "time_to_ddp_loss_s", "procs_per_host",
@@ -102,7 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help=f"fewer bandwidths and steps ({QUICK}); finishes in a few minutes")
+                    help=f"one cell, a dozen rows ({QUICK}): the main run of "
+                         "docs/main-job.md, about 17 minutes on an idle 2-core machine")
     ap.add_argument("--bandwidths", help="comma list of Mbit/s or 'none' (unshaped); "
                     f"default {FULL['bandwidths']}")
     lat = ap.add_mutually_exclusive_group()
@@ -115,18 +119,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "the kernel's, 1). With 1, a connection idle between steps restarts "
                          "from its initial window: over a far link each step's burst pays "
                          "several round trips of slow start")
-    ap.add_argument("--algorithms", help="comma list of rows (default: every row; "
-                    "bytegrad_flat only with --procs-per-host > 1)")
-    ap.add_argument("--hosts", type=int, help="emulated hosts (network namespaces; default 2)")
+    ap.add_argument("--algorithms", help="comma list of rows (default: every row, "
+                    "bytegrad_flat only with --procs-per-host > 1; --quick: "
+                    f"{','.join(QUICK_ROWS)})")
+    ap.add_argument("--hosts", type=int,
+                    help="emulated hosts (network namespaces; default 2, --quick 4)")
     ap.add_argument("--procs-per-host", type=int,
                     help="processes per host (torchrun --nproc-per-node): intra-node traffic "
-                         "on the host's loopback, hierarchical modes on; default 1, "
-                         "--quick 2")
+                         "on the host's loopback, hierarchical modes on; default 1")
     ap.add_argument("--size", choices=sorted(SIZES), help="model size (default base)")
-    ap.add_argument("--steps", type=int, help="timed steps for throughput and loss@N")
-    ap.add_argument("--depths", default=",".join(f"{d:g}" for d in DEPTHS),
+    ap.add_argument("--steps", type=int, help="timed steps for throughput and loss@N "
+                    f"(default {FULL['steps']}, --quick {QUICK['steps']})")
+    ap.add_argument("--depths",
                     help="the targets: DDP's held-out loss after these multiples of N steps "
-                         "(default %(default)s); DDP trains to the deepest, the headline is "
+                         f"(default {','.join(f'{d:g}' for d in DEPTHS)}, --quick "
+                         f"{QUICK['depths']}); DDP trains to the deepest, the headline is "
                          "the first one the 'alone' row does not reach")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--wall-seconds", type=float, help="wall time T for loss@T")
@@ -145,7 +152,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          ", none with --quick or --sync-every; 'none' for none")
     ap.add_argument("--budget-factor", type=float,
                     help="every row trains for max(T, this x DDP's time for N steps); "
-                         "default 1.5, --quick 1.25")
+                         "default 1.5")
     ap.add_argument("--full-budget", action="store_true",
                     help="every row trains its whole budget; by default a row stops once "
                          "past T at the first evaluation that reaches the deepest target")
@@ -172,7 +179,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.latency_ms is not None:
         args.latency_ms = args.latencies[0]
     if args.algorithms is None:
-        args.algorithms = ",".join(default_rows(args.procs_per_host))
+        args.algorithms = ",".join(QUICK_ROWS if args.quick
+                                   else default_rows(args.procs_per_host))
     args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     if "ddp" not in args.algorithms:
         args.algorithms.insert(0, "ddp")  # every ratio is against DDP from the same run
