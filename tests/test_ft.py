@@ -50,12 +50,17 @@ def _spawn(tmp, lighthouse, tag, replica, *extra):
                             stderr=subprocess.STDOUT)
 
 
+def _check_alive(procs) -> None:
+    """Fail at once when a replica exited with an error (a kill -9 is a scenario's own)."""
+    for p in procs:
+        if p.poll() is not None and p.returncode not in (0, -signal.SIGKILL):
+            raise AssertionError(f"a replica failed ({p.returncode}): {p.args}")
+
+
 def _wait(path: Path, procs, limit=120.0):
     end = time.time() + limit
     while not path.exists():
-        for p in procs:
-            if p.poll() is not None and p.returncode not in (0, -signal.SIGKILL):
-                raise AssertionError(f"a replica failed ({p.returncode}): {p.args}")
+        _check_alive(procs)
         assert time.time() < end, f"{path.name} did not appear within {limit} s"
         time.sleep(0.05)
 
@@ -82,9 +87,7 @@ def _release_when_asked(tmp: Path, lighthouse: str, held: str, joiners: int, pro
         _wait(tmp / f"held-{tag}", procs, limit)
     end = time.time() + limit
     while _waiting(lighthouse) != joiners:
-        for p in procs:
-            if p.poll() is not None and p.returncode not in (0, -signal.SIGKILL):
-                raise AssertionError(f"a replica failed ({p.returncode}): {p.args}")
+        _check_alive(procs)
         assert time.time() < end, f"{joiners} joiner(s) did not ask within {limit} s"
         time.sleep(0.05)
     (tmp / "release").touch()

@@ -132,7 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     f"(default {FULL['steps']}, --quick {QUICK['steps']})")
     ap.add_argument("--depths",
                     help="the targets: DDP's held-out loss after these multiples of N steps "
-                         f"(default {','.join(f'{d:g}' for d in DEPTHS)}, --quick "
+                         f"(default {FULL['depths']}, --quick "
                          f"{QUICK['depths']}); DDP trains to the deepest, the headline is "
                          "the first one the 'alone' row does not reach")
     ap.add_argument("--warmup", type=int, default=2)
