@@ -490,6 +490,33 @@ def test_diloco_targets_take_the_fastest_diloco_row_and_each_rows_bytes_at_its_o
     assert u4["value"] == pytest.approx(0.335 / 19.85) and u4["met"]
 
 
+def test_torchfts_diloco_at_a_given_h_is_a_peer_compared_with_ours_at_that_h():
+    """``ft_diloco@16`` is torchft's DiLoCo at H = 16: never one of bagua's rows, and compared
+    with ``diloco@16`` (the same plan), not with the rule's H."""
+    from _e2e_report import check_targets
+    from _e2e_rows import mode_note, sync_every_of_row
+
+    assert sync_every_of_row("ft_diloco@16", 75) == 16
+    assert mode_note("ft_diloco@16", 1, sync_every=16) == "torchft, H=16"
+
+    def run(name, t, **kw):
+        return {"algorithm": name, "status": "ok", "bandwidth_mbit": 100, "latency_ms": 0,
+                "world_size": 4, "procs_per_host": 1, "time_to_ddp_loss_s": t,
+                "step_x_ddp_time": 1.0, "comm_s": 1.7 if name == "ddp" else 0.0,
+                "step_s": 1.98 if name == "ddp" else 0.3, **kw}
+
+    runs = [run("ddp", 60.0, bytes_per_step=8.7e6, window_steps=30),
+            run("diloco@16", 12.0, sync_every=16, window_steps=32, bytes_per_step=0.5e6),
+            run("ft_diloco@16", 10.0, sync_every=16, window_steps=32, bytes_per_step=0.5e6)]
+    got = check_targets(runs)
+    same = [g for g in got if g["target"].startswith("DiLoCo ahead of torchft's DiLoCo at the "
+                                                     "same H=16")]
+    assert len(same) == 1 and same[0]["algorithm"] == "diloco@16"
+    assert same[0]["value"] == pytest.approx(1.2) and not same[0]["met"]
+    best = [g for g in got if g["target"].startswith("DiLoCo time to DDP's loss")]
+    assert best and all(g["algorithm"] != "ft_diloco@16" for g in best)   # never ours
+
+
 def test_an_auto_row_that_chose_diloco_is_written_as_json_and_says_its_h():
     """recommend's DiLoCo carries a compressor object in its kwargs: the report keeps its repr
     (the row once crashed writing its JSON) and the table says H and the bits."""

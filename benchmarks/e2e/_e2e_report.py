@@ -98,6 +98,17 @@ def _diloco_targets(add, runs, by, c, ddp, hosts) -> None:
         v = best["time_to_ddp_loss_s"] / peer["time_to_ddp_loss_s"] if best else None
         add("DiLoCo ahead of torchft's DiLoCo (our time / its)", c,
             best["algorithm"] if best else "diloco", v, "<= 1", v is not None and v <= 1)
+    for (cc, a), peer_h in by.items():
+        # torchft's DiLoCo at a given H (ft_diloco@H) against ours at that H (diloco@H, the
+        # same float32 outer gradient and outer optimizer): one implementation against the
+        # other, the plan held equal
+        if cc != c or a.partition("@")[0] != "ft_diloco" or not a.partition("@")[2]:
+            continue
+        ours = by.get((c, "diloco@" + a.partition("@")[2]))
+        if ours and ours.get("time_to_ddp_loss_s") and peer_h.get("time_to_ddp_loss_s"):
+            v = ours["time_to_ddp_loss_s"] / peer_h["time_to_ddp_loss_s"]
+            add(f"DiLoCo ahead of torchft's DiLoCo at the same H={peer_h.get('sync_every')} "
+                "(our time / its)", c, ours["algorithm"], v, "<= 1", v <= 1)
     from _e2e_rows import OUTER_BYTES
 
     for name in ("diloco", "diloco_u8", "diloco_u4"):     # each at the H the rule gave it
@@ -159,7 +170,8 @@ def check_targets(runs: list[dict], headline: str | None = None) -> list[dict]:
                     "at": at})
 
     by = {(cell(r), r["algorithm"]): r for r in runs if r["status"] == "ok"}
-    bagua = sorted({r["algorithm"] for r in runs} - {"ddp", *FLOOR, *DDP_PEERS, *OTHER_PEERS})
+    bagua = sorted(r for r in {r["algorithm"] for r in runs} - {"ddp", *FLOOR, *DDP_PEERS}
+                   if r.partition("@")[0] not in OTHER_PEERS)   # ft_diloco@H too
     for c in cells(runs):
         bw = c[0]
         ddp = by.get((c, "ddp"))

@@ -244,7 +244,7 @@ def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2, warmup: 
         return "8-bit hook, flat"
     if row == "async":
         return f"every {async_interval_ms:g}ms"
-    if row == "ft_diloco":
+    if split_row(row)[0] == "ft_diloco":
         return f"torchft, H={sync_every}" if sync_every else "torchft"
     if split_row(row)[0] in SYNC_ROWS and sync_every:
         base = split_row(row)[0]

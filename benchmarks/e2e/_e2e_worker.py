@@ -65,7 +65,7 @@ def _build(name: str, model, args, harness):
     """``(wrapped_model, optimizer)`` for row ``name`` (raises :class:`Unavailable`)."""
     if name == ALONE:      # the floor: the bare model, each rank on its own shard, no bytes
         return model, torch.optim.Adam(model.parameters(), lr=args.lr)
-    if name == "ft_diloco":           # torchft's DiLoCo, the peer of our diloco row
+    if split_row(name)[0] == "ft_diloco":   # torchft's DiLoCo, the peer of our diloco row
         from _e2e_ft import FtDiLoCoRow
         from _e2e_ft import Unavailable as FtUnavailable
 
@@ -293,7 +293,7 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
         args.rule_inputs = args.rule_inputs or (args.row_compute_s,)
         args.row_compute_s = args.rule_inputs[0]
     if split_row(name)[0] in SYNC_ROWS:
-        if name == "ft_diloco" and "diloco" in args.sync_every_of:
+        if name == "ft_diloco" and "diloco" in args.sync_every_of:   # (ft_diloco@H: its H)
             args.chosen_sync_every = args.sync_every_of["diloco"]   # the peer: the same H
         else:   # the rule's H once per job (a sweep row scales it, or fixes its own)
             # fp32's H is the sweep's reference (an "@" row scales or fixes it); a compressed
