@@ -353,12 +353,17 @@ def test_diloco_sweep_rows_run_their_own_h_and_send_one_model_per_h_steps(tmp_pa
     """``diloco@H`` fixes H and ``diloco@xK`` scales the rule's H (here ``--sync-every 2``):
     each row sends one model-sized allreduce every H steps, no more."""
     report, _ = _run(tmp_path, "--no-testbed", "--steps", "8", "--sync-every", "2",
-                     "--algorithms", "ddp,diloco,diloco@x2,diloco@8,diloco_u4@4")
+                     "--algorithms", "ddp,diloco,diloco@x2,diloco@8,diloco_u4@4,ft_diloco@4")
     runs = {r["algorithm"]: r for r in report["runs"]}
-    assert list(runs) == ["ddp", "alone", "diloco", "diloco@x2", "diloco@8", "diloco_u4@4"]
+    assert list(runs) == ["ddp", "alone", "diloco", "diloco@x2", "diloco@8", "diloco_u4@4",
+                          "ft_diloco@4"]
     assert [runs[a]["sync_every"] for a in ("diloco", "diloco@x2", "diloco@8")] == [2, 4, 8]
     ddp_bytes = runs["ddp"]["bytes_per_step_accounted"]   # one gradient allreduce per step
-    for name in ("diloco", "diloco@x2", "diloco@8"):
+    ft = runs["ft_diloco@4"]          # torchft's DiLoCo at H = 4 (unavailable without torchft)
+    synced = ft["status"] == "ok"
+    if not synced:
+        assert "torchft" in ft["reason"], ft
+    for name in ("diloco", "diloco@x2", "diloco@8", "ft_diloco@4")[:4 if synced else 3]:
         r = runs[name]
         assert r["status"] == "ok", r
         assert r["bytes_per_step_accounted"] == pytest.approx(ddp_bytes / r["sync_every"],
@@ -368,6 +373,13 @@ def test_diloco_sweep_rows_run_their_own_h_and_send_one_model_per_h_steps(tmp_pa
     u4 = runs["diloco_u4@4"]
     assert u4["status"] == "ok" and u4["sync_every"] == 4
     assert ddp_bytes / 4 / 8 < u4["bytes_per_step_accounted"] < 1.5 * ddp_bytes / 4 / 8
+    if synced:
+        # read when each of its syncs lands, as ours are: every H = 4 inner steps since it
+        # wrapped, the warm-up steps in (before: every 4th step past 16, up to 3 late)
+        read = {s for s, *_ in ft["eval_curve"]}
+        w = report["config"]["warmup"]
+        syncs = {i for i in range(17, ft["steps_run"] + 1) if (w + i) % 4 == 0}
+        assert syncs and syncs <= read, (sorted(syncs - read), sorted(read))
 
 
 def test_sync_rows_use_recommends_rule_and_a_compressed_row_counts_its_own_bytes():

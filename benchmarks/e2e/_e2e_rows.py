@@ -37,8 +37,11 @@ DEFAULT_ROWS = ["ddp", ALONE, "ddp_fp16", "ddp_powersgd", "ddp_bytegrad_hook",
 QUICK_ROWS = ["ddp", ALONE, "ddp_powersgd", "ddp_bytegrad_hook", "bytegrad", "topk",
               "low_rank_r32_u8", "local_sgd", "diloco_u4_m05", "diloco_u4_m05_hide", "ft_diloco",
               "auto"]
-# "auto": with_bagua(model, [opt], "auto") as a user runs it (network measured at the start,
-# the rule's algorithm and bucket size); the trade-off map scores the choice by this row
+# "auto": recommend(model, compute_s=<a step's compute>, total_steps=<DDP's steps to the
+# deepest target>), then with_bagua with its algorithm and bucket size, as docs/tradeoff.md
+# tells a user to (network measured at the start, its time counted; with_bagua(..., "auto")
+# alone cannot know the step's compute, so it never picks DiLoCo); the trade-off map scores
+# the choice by this row
 # Communicate every sync_every steps (sync_every_for); ft_diloco (torchft's DiLoCo, the peer:
 # benchmarks/e2e/_e2e_ft.py) runs with the sync_every the diloco row chose.
 SYNC_ROWS = ("local_sgd", "diloco", "diloco_u8", "diloco_u4", "ft_diloco", "diloco_warm",

@@ -363,6 +363,10 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
         # each has moved on alone (read every 5 steps, a sync at step 106 was read at 110,
         # 0.02 above the target it had reached)
         done = getattr(getattr(wrapped, "impl", None), "steps", None) if period else None
+        if done is None and period and split_row(name)[0] == "ft_diloco":
+            # torchft's DiLoCo syncs every H inner steps since it wrapped (warm-up in): read
+            # it there as ours (read every 5 steps, its sync at step 126 was read at 130)
+            done = args.warmup + i
         landed = done is not None and done >= period + tau and (done - tau) % period == 0
         if _snapshot_due(i, args.steps, every, args.depth_steps) or landed:
             # The weights (local, no collective), the clock paused; evaluated after the run.
