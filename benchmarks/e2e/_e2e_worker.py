@@ -293,7 +293,7 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
         args.rule_inputs = args.rule_inputs or (args.row_compute_s,)
         args.row_compute_s = args.rule_inputs[0]
     if split_row(name)[0] in SYNC_ROWS:
-        if name == "ft_diloco" and "diloco" in args.sync_every_of:   # (ft_diloco@H: its H)
+        if name == "ft_diloco" and "diloco" in args.sync_every_of:   # ft_diloco@H: below
             args.chosen_sync_every = args.sync_every_of["diloco"]   # the peer: the same H
         else:   # the rule's H once per job (a sweep row scales it, or fixes its own)
             # fp32's H is the sweep's reference (an "@" row scales or fixes it); a compressed
