@@ -474,18 +474,21 @@ def test_auto_row_runs_the_automatic_choice_and_says_what_it_chose(tmp_path):
     assert "chose gradient_allreduce" in markdown(report["runs"])
 
 
+def _cell_row(name, t, **kw):
+    """A measured row of one 4-host, 100 Mbit/s cell: ``t`` its time to DDP's loss."""
+    return {"algorithm": name, "status": "ok", "bandwidth_mbit": 100, "latency_ms": 0,
+            "world_size": 4, "procs_per_host": 1, "time_to_ddp_loss_s": t,
+            "step_x_ddp_time": 1.0, "comm_s": 1.7 if name == "ddp" else 0.0,
+            "step_s": 1.98 if name == "ddp" else 0.3, **kw}
+
+
 def test_diloco_targets_take_the_fastest_diloco_row_and_each_rows_bytes_at_its_own_h():
     """Issue 24's targets from a report: time from the fastest DiLoCo row (4-bit included),
     bytes per row at the H the rule gave it, measured when the window held a sync and one
     allreduce per H steps (times the compression) when it did not."""
     from _e2e_report import check_targets
 
-    def run(name, t, **kw):
-        return {"algorithm": name, "status": "ok", "bandwidth_mbit": 100, "latency_ms": 0,
-                "world_size": 4, "procs_per_host": 1, "time_to_ddp_loss_s": t,
-                "step_x_ddp_time": 1.0, "comm_s": 1.7 if name == "ddp" else 0.0,
-                "step_s": 1.98 if name == "ddp" else 0.3, **kw}
-
+    run = _cell_row
     runs = [run("ddp", 59.3, bytes_per_step=19.85e6, window_steps=30),
             run("diloco", 36.3, sync_every=33, window_steps=30, bytes_per_step=0.0),
             run("diloco_u4", 26.8, sync_every=7, window_steps=30, bytes_per_step=0.335e6),
@@ -511,12 +514,7 @@ def test_torchfts_diloco_at_a_given_h_is_a_peer_compared_with_ours_at_that_h():
     assert sync_every_of_row("ft_diloco@16", 75) == 16
     assert mode_note("ft_diloco@16", 1, sync_every=16) == "torchft, H=16"
 
-    def run(name, t, **kw):
-        return {"algorithm": name, "status": "ok", "bandwidth_mbit": 100, "latency_ms": 0,
-                "world_size": 4, "procs_per_host": 1, "time_to_ddp_loss_s": t,
-                "step_x_ddp_time": 1.0, "comm_s": 1.7 if name == "ddp" else 0.0,
-                "step_s": 1.98 if name == "ddp" else 0.3, **kw}
-
+    run = _cell_row
     runs = [run("ddp", 60.0, bytes_per_step=8.7e6, window_steps=30),
             run("diloco@16", 12.0, sync_every=16, window_steps=32, bytes_per_step=0.5e6),
             run("ft_diloco@16", 10.0, sync_every=16, window_steps=32, bytes_per_step=0.5e6)]
