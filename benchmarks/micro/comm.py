@@ -233,6 +233,7 @@ def compression4(nbytes, chunks, reps):
     torch.set_num_threads(1)
     x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(0))
     c = MinMaxUInt4(chunks)
+    ef = MinMaxUInt4(chunks, error_feedback=True)    # DiLoCo's outer gradient, as recommend runs it
     buf = torch.empty(c.payload_numel(x.numel()), dtype=torch.uint8)
     payload = c.compress(x)
     out, copy_dst = torch.empty_like(x), torch.empty_like(x)
@@ -240,6 +241,7 @@ def compression4(nbytes, chunks, reps):
     xn, dn = x.numpy(), copy_dst.numpy()
     t = _interleaved({
         "compress (out=)": lambda: c.compress(x, out=buf),
+        "compress, EF (out=)": lambda: ef.compress(x, out=buf),
         "decompress": lambda: c.decompress(payload, out),
         "copy (Tensor.copy_)": lambda: copy_dst.copy_(x),
         "copy (numpy.copyto)": lambda: np.copyto(dn, xn),
@@ -254,6 +256,10 @@ def compression4(nbytes, chunks, reps):
     print(f"compress / memcpy = {gbs['compress (out=)'] / mc:.0%}; decompress / memcpy = "
           f"{gbs['decompress'] / mc:.0%}; compress + decompress (one round trip) = "
           f"{trip:.2f} GB/s = {trip / mc:.0%} of memcpy (target >= 50%)")
+    # error feedback: the residual added, the payload decoded again, the new residual and its
+    # non-finite chunks reset, on top of the plain compress (at least one decode and two passes)
+    print(f"compress with error feedback: {t['compress, EF (out=)'] / t['compress (out=)']:.2f}x "
+          f"the plain compress's time")
     return {**gbs, "round trip": trip}
 
 
@@ -271,7 +277,8 @@ def figures(world, rows=None, overhead=None, uint8=None, uint4=None) -> dict:
                                      "difference": (t_o - t_t) * 1e6}
                               for name, (t_o, t_t) in overhead.items()}
     for key, gbs, ours in (("uint8", uint8, ("compress (ours)", "decompress (ours)")),
-                           ("uint4", uint4, ("compress (out=)", "decompress", "round trip"))):
+                           ("uint4", uint4, ("compress (out=)", "compress, EF (out=)",
+                                             "decompress", "round trip"))):
         if not gbs:
             continue
         copy = max(gbs["copy (Tensor.copy_)"], gbs["copy (numpy.copyto)"])

@@ -101,6 +101,37 @@ def test_wraps_any_compressor_as_ef_sgd():
     assert ef.residual("w") is None
 
 
+class HalfInf(Round):
+    """Round in two chunks, except that element 3 (in chunk 0) decodes to infinity."""
+
+    chunks = 2
+
+    def decompress(self, payload, out, *, chunks=None, dtype=None):
+        super().decompress(payload, out)
+        out[3] = float("inf")
+        return out
+
+
+def test_a_chunk_whose_decoding_is_not_finite_restarts_its_whole_residual_at_zero():
+    """One non-finite decoded value resets its chunk's residual (every element, +0.0), never
+    the other chunk's, and the next compression is the plain one there (checked against
+    numpy)."""
+    x = torch.linspace(-3.3, 3.1, 16)
+    ef = ErrorFeedback(HalfInf())
+    ef.compress(x, key="k")
+    r = ef.residual("k").numpy()
+    want = (x.numpy() - np.clip(np.round(x.numpy() * 2), -127, 127) / 2).astype(np.float32)
+    assert np.array_equal(r[:8], np.zeros(8, np.float32)) and not np.signbit(r[:8]).any()
+    np.testing.assert_array_equal(r[8:], want[8:])
+    # a NaN in the input: that chunk (here chunk 1) too, the other keeps its residual
+    y = x.clone()
+    y[12] = float("nan")
+    ef2 = ErrorFeedback(Round())
+    ef2.compress(torch.ones(16) * 0.3, key="k")               # residual 0.3 - 0.5 = -0.2
+    ef2.compress(y, key="k")
+    assert torch.equal(ef2.residual("k"), torch.zeros(16))    # one chunk: all of it restarts
+
+
 def test_bad_wrapping_raises_naming_the_argument():
     with pytest.raises(ValueError, match="compressor"):
         ErrorFeedback(object())

@@ -116,10 +116,19 @@ class ErrorFeedback(_ResidualsByKey, Compressor):
         payload = self.compressor.compress(corrected.to(tensor.dtype), chunks=chunks, out=out)
         self.compressor.decompress(payload, res, chunks=chunks, dtype=tensor.dtype)
         torch.sub(corrected, res, out=res)                       # the residual
-        # a non-finite chunk's residual restarts at 0 (a masked fill: no host synchronisation
-        # on CUDA, unlike testing the mask first)
+        # a non-finite chunk's residual restarts at 0, without a host synchronisation on
+        # CUDA (no test of the mask first) and in three cheap passes: per chunk the sum (a NaN
+        # or an inf in it makes it non-finite; so would a sum past float32's range, of
+        # residuals near 1e38 / chunk size, and such a chunk restarts too), the bad chunks
+        # multiplied by 0 plus +0.0 (the good ones by 1 plus -0.0: x exactly, signed zeros
+        # too), then what that leaves non-finite (NaN, inf x 0) set to 0: a bad chunk is all
+        # +0.0.  A full-size isfinite().all() and a broadcast masked fill took 3.7 of 5.9 ms
+        # for 1.44M floats on one core, 2.5x the codec itself.
         rows = res.view(chunks, -1)
-        rows.masked_fill_(~torch.isfinite(rows).all(1, keepdim=True), 0)
+        ok = torch.isfinite(rows.sum(1, keepdim=True))
+        # (mul_ then add_: addcmul with a per-chunk input took 4x as long on one core)
+        rows.mul_(ok.to(rows.dtype)).add_(torch.where(ok, -0.0, 0.0)).nan_to_num_(0.0, 0.0,
+                                                                                   0.0)
         self._residuals[key] = res
         return payload
 
