@@ -190,7 +190,8 @@ def test_the_comm_benchmark_writes_collectives_and_compressors_as_times(results)
     copy = {"copy (Tensor.copy_)": 8.0, "copy (numpy.copyto)": 10.0}
     uint8 = {"compress (ours)": 4.0, "compress (ours, out=)": 5.0, "compress (torch ops)": 1.0,
              "decompress (ours)": 5.0, "decompress (torch ops)": 2.0, **copy}
-    uint4 = {"compress (out=)": 2.5, "decompress": 4.0, "round trip": 1.6, **copy}
+    uint4 = {"compress (out=)": 2.5, "compress, EF (out=)": 1.0, "decompress": 4.0,
+             "round trip": 1.6, **copy}
     _results.record_from_args(_args(results, "comm"), "benchmarks/micro/comm.py",
                               comm.figures(2, rows, overhead, uint8, uint4), ["--quick"], None)
     entry = _kept(results, "comm")
@@ -206,8 +207,8 @@ def test_the_comm_benchmark_writes_collectives_and_compressors_as_times(results)
     assert fig["uint8"]["x_copy_time"] == {"compress (ours)": 10 / 4, "decompress (ours)": 2.0}
     assert fig["uint8"]["x_torch_ops_time"] == {"compress (ours)": 0.25,
                                                 "decompress (ours)": 0.4}
-    assert fig["uint4"]["x_copy_time"] == {"compress (out=)": 4.0, "decompress": 2.5,
-                                           "round trip": round(10 / 1.6, 4)}
+    assert fig["uint4"]["x_copy_time"] == {"compress (out=)": 4.0, "compress, EF (out=)": 10.0,
+                                           "decompress": 2.5, "round trip": round(10 / 1.6, 4)}
     assert fig["uint4"]["gbs"]["round trip"] == 1.6
     # without the collectives (--compression-only) the file keeps the compressors alone
     assert set(comm.figures(2, None, None, uint8, uint4)) == {"world", "uint8", "uint4"}
