@@ -352,7 +352,10 @@ def test_latency_arguments_make_one_cell_per_bandwidth_and_latency():
 def test_diloco_sweep_rows_run_their_own_h_and_send_one_model_per_h_steps(tmp_path):
     """``diloco@H`` fixes H and ``diloco@xK`` scales the rule's H (here ``--sync-every 2``):
     each row sends one model-sized allreduce every H steps, no more."""
+    # --wall-seconds: every row trains past step 16, after which it is read only at syncs
+    # and every 5 steps (with the tiny run's 0.5 s, a loaded machine left torchft's row 16)
     report, _ = _run(tmp_path, "--no-testbed", "--steps", "8", "--sync-every", "2",
+                     "--wall-seconds", "1.5",
                      "--algorithms", "ddp,diloco,diloco@x2,diloco@8,diloco_u4@4,ft_diloco@4")
     runs = {r["algorithm"]: r for r in report["runs"]}
     assert list(runs) == ["ddp", "alone", "diloco", "diloco@x2", "diloco@8", "diloco_u4@4",
@@ -462,16 +465,19 @@ def test_sweep_rows_are_checked_and_added_to_the_full_run_only():
 
 @pytest.mark.timeout(420)
 def test_auto_row_runs_the_automatic_choice_and_says_what_it_chose(tmp_path):
-    """On loopback (fast, near) the rule keeps the exact allreduce: the auto row trains as
-    GradientAllReduce does, i.e. as DDP does, and records its choice."""
-    report, _ = _run(tmp_path, "--no-testbed", "--algorithms", "ddp,auto")
+    """On loopback (fast, near) the rule keeps the exact allreduce: the auto rows (recommend
+    told the compute, and with_bagua(..., "auto") as written, which times no step where
+    DiLoCo has no chance) train as GradientAllReduce does, i.e. as DDP does, and record
+    their choice."""
+    report, _ = _run(tmp_path, "--no-testbed", "--algorithms", "ddp,auto,auto_wrap")
     runs = {r["algorithm"]: r for r in report["runs"]}
-    auto = runs["auto"]
-    assert auto["status"] == "ok", auto
-    assert auto["auto_choice"]["algorithm"] == "gradient_allreduce"
-    assert auto["auto_choice"]["setup_s"] < 10
-    assert auto["loss"] == pytest.approx(runs["ddp"]["loss"], rel=1e-4)
-    assert "chose gradient_allreduce" in markdown(report["runs"])
+    for name in ("auto", "auto_wrap"):
+        auto = runs[name]
+        assert auto["status"] == "ok", auto
+        assert auto["auto_choice"]["algorithm"] == "gradient_allreduce"
+        assert auto["auto_choice"]["setup_s"] < 10
+        assert auto["loss"] == pytest.approx(runs["ddp"]["loss"], rel=1e-4)
+    assert markdown(report["runs"]).count("chose gradient_allreduce") == 2
 
 
 def _cell_row(name, t, **kw):

@@ -103,8 +103,16 @@ class FtDiLoCoRow:
         self.diloco = TorchftDiLoCo(self.manager, [model], inner, self.outer,
                                     sync_every=sync_every)
         self.diloco.__enter__()         # hooks on the inner optimizer's step
+        #: inner steps completed (warm-up in), counted after torchft's hook has synced, as
+        #: bagua's DiLoCo counts its own (``impl.steps``): the worker reads rows at syncs by it
+        self.steps = 0
+        self._counting = inner.register_step_post_hook(self._stepped)
+
+    def _stepped(self, *_args) -> None:
+        self.steps += 1
 
     def close(self) -> None:
+        self._counting.remove()
         self.diloco.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
         if self.lighthouse is not None:

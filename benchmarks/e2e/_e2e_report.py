@@ -255,9 +255,13 @@ def _mode(r: dict) -> str:
             bits = ", 4-bit" if "UInt4" in str(kw.get("compressor")) else ""
             note = f"chose {c['algorithm']}, H={kw['sync_every']}{bits}"
         else:
-            note = f"chose {c['algorithm']}, {c['bucket_size'] / 2**20:.0f} MiB buckets"
+            note = f"chose {c['algorithm']}" + (f", {c['bucket_size'] / 2**20:.0f} MiB buckets"
+                                                if c.get("bucket_size") else "")
         if c.get("probe_s") is not None:     # its probe, counted in its time
             note += f"; its {c['probe_s']:.1f}s probe counted in its time"
+        if c.get("compute_s") is not None:   # auto_wrap: chosen after timing its first steps
+            note += (f" after timing {1e3 * c['compute_s']:.0f}-ms steps; its "
+                     f"{c['setup_s']:.1f}s probe and wrap counted in its time")
         return note
 
     note = mode_note(r["algorithm"], r.get("procs_per_host") or 1,

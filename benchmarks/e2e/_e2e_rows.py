@@ -42,6 +42,11 @@ QUICK_ROWS = ["ddp", ALONE, "ddp_powersgd", "ddp_bytegrad_hook", "bytegrad", "to
 # tells a user to (network measured at the start, its time counted; with_bagua(..., "auto")
 # alone cannot know the step's compute, so it never picks DiLoCo); the trade-off map scores
 # the choice by this row
+# "auto_wrap": with_bagua(model, [opt], "auto") as a user writes it, told nothing: the network
+# measured at the wrap, then the first steps trained locally and timed before the rule
+# chooses (bagua_algos.tuning.timed_choice); its time includes both
+AUTO_WRAP = "auto_wrap"
+AUTO_ROWS = ("auto", AUTO_WRAP)
 # Communicate every sync_every steps (sync_every_for); ft_diloco (torchft's DiLoCo, the peer:
 # benchmarks/e2e/_e2e_ft.py) runs with the sync_every the diloco row chose.
 SYNC_ROWS = ("local_sgd", "diloco", "diloco_u8", "diloco_u4", "ft_diloco", "diloco_warm",
@@ -239,6 +244,8 @@ def mode_note(row: str, procs_per_host: int, *, powersgd_rank: int = 2, warmup: 
         return "built-in"
     if row == ALONE:
         return "no communication"
+    if row == AUTO_WRAP:
+        return "with_bagua(..., 'auto'), steps timed"
     if row == "ddp_fp16":
         return "fp16 hook"
     if row == "ddp_powersgd":

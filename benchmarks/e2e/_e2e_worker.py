@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _e2e_model import MarkovText, lm_loss, make_model, num_params
 from _e2e_rows import (
     ALONE,
+    AUTO_ROWS,
+    AUTO_WRAP,
     HIDING_ROWS,
     HOOK_ROWS,
     OUTER_BYTES,
@@ -74,7 +76,7 @@ def _build(name: str, model, args, harness):
             row = FtDiLoCoRow(model, opt, args.chosen_sync_every, harness)
         except FtUnavailable as err:
             raise Unavailable(str(err)) from err
-        args.row_close = row.close
+        args.row_close, args.row_steps = row.close, row
         return model, opt
     if name in HOOK_ROWS:
         try:
@@ -106,6 +108,13 @@ def _build(name: str, model, args, harness):
                             "probe_s": round(probe_s, 3),   # recommend(): its measurement
                             "setup_s": round(time.perf_counter() - t0, 3),   # and the wrap
                             "reason": rec.reason}
+        return wrapped, opt
+    if name == AUTO_WRAP:  # as a user writes it: measured at the wrap, then steps timed
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+        t0 = time.perf_counter()
+        wrapped = bagua_algos.with_bagua(model, [opt], "auto")
+        args.auto_choice = {"algorithm": None, "bucket_size": None,
+                            "setup_s": round(time.perf_counter() - t0, 3)}   # probe + wrap
         return wrapped, opt
     missing = [n for n in ("Algorithm", "with_bagua") if not hasattr(bagua_algos, n)]
     if missing:
@@ -270,10 +279,24 @@ def _sync_period(name: str, args) -> int | None:
     DiLoCo); None for the rows that communicate every step."""
     if split_row(name)[0] in SYNC_ROWS:
         return args.chosen_sync_every
-    if name == "auto" and args.auto_choice:
+    if name in AUTO_ROWS and args.auto_choice:
         h = (args.auto_choice.get("kwargs") or {}).get("sync_every")
         return int(h) if h else None
     return None
+
+
+def _read_timed_choice(wrapped, args) -> bool:
+    """The auto_wrap row: once its timed steps made the choice, note it (what, from which
+    step time) and return True; the choice's impl holds it until the next forward."""
+    impl = getattr(wrapped, "impl", None)
+    choice = getattr(impl, "choice", None)
+    if choice is None and type(wrapped.algorithm).__name__ == "TimedChoice":
+        return False                    # still timing
+    name, kwargs = choice if choice is not None else (wrapped.algorithm.name, {})
+    args.auto_choice.update({"algorithm": name, "kwargs": jsonable(kwargs),
+                             "compute_s": getattr(impl, "compute_s", None),
+                             "bucket_size": wrapped.bucket_size})
+    return True
 
 
 def _async_rounds(wrapped) -> int:
@@ -293,8 +316,9 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
         args.rule_inputs = args.rule_inputs or (args.row_compute_s,)
         args.row_compute_s = args.rule_inputs[0]
     if split_row(name)[0] in SYNC_ROWS:
-        if name == "ft_diloco" and "diloco" in args.sync_every_of:   # ft_diloco@H: below
-            args.chosen_sync_every = args.sync_every_of["diloco"]   # the peer: the same H
+        if name == "ft_diloco" and "diloco" in args.sync_every_of:
+            # the peer at our diloco row's H (an "ft_diloco@H" row fixes its own, below)
+            args.chosen_sync_every = args.sync_every_of["diloco"]
         else:   # the rule's H once per job (a sweep row scales it, or fixes its own)
             # fp32's H is the sweep's reference (an "@" row scales or fixes it); a compressed
             # row of its own counts its own bytes
@@ -307,7 +331,7 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
     args.chosen_overlap = (hidden_sync_steps(
         args.chosen_sync_every, args.rule_inputs[0], _network(args), ddp_step_s=_ddp_step(args),
         bytes_scale=OUTER_BYTES.get(name, 1.0)) if hides else 0)
-    args.row_close = None
+    args.row_close = args.row_steps = None
     t_build = time.perf_counter()
     wrapped, opt = _build(name, model, args, harness)
     build_s = time.perf_counter() - t_build
@@ -358,15 +382,17 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
         i += 1
         elapsed = time.perf_counter() - t0 - paused
         times.append(elapsed)
+        if name == AUTO_WRAP and args.auto_choice["algorithm"] is None \
+                and _read_timed_choice(wrapped, args):
+            period = _sync_period(name, args)     # DiLoCo's H, once chosen
         # A DiLoCo row is read when each sync lands, tau steps after it started, by DiLoCo's
         # own count (warm-up steps in): there its ranks hold the synced model; a step later
         # each has moved on alone (read every 5 steps, a sync at step 106 was read at 110,
         # 0.02 above the target it had reached)
-        done = getattr(getattr(wrapped, "impl", None), "steps", None) if period else None
-        if done is None and period and split_row(name)[0] == "ft_diloco":
-            # torchft's DiLoCo syncs every H inner steps since it wrapped (warm-up in): read
-            # it there as ours (read every 5 steps, its sync at step 126 was read at 130)
-            done = args.warmup + i
+        # torchft's DiLoCo is read the same way, by its row's count (read every 5 steps, its
+        # sync at step 126 was read at 130)
+        done = getattr(args.row_steps or getattr(wrapped, "impl", None), "steps",
+                       None) if period else None
         landed = done is not None and done >= period + tau and (done - tau) % period == 0
         if _snapshot_due(i, args.steps, every, args.depth_steps) or landed:
             # The weights (local, no collective), the clock paused; evaluated after the run.
@@ -486,17 +512,17 @@ def _combine(name: str, recs: list[dict], args, params: int, world: int) -> dict
         "warmup": args.warmup,
         "sync_every": args.chosen_sync_every if split_row(name)[0] in SYNC_ROWS else None,
         "overlap_steps": args.chosen_overlap if split_row(name)[0] in HIDING_ROWS or (
-            name == "auto" and args.chosen_overlap) else None,
+            name in AUTO_ROWS and args.chosen_overlap) else None,
         # seconds the slowest rank's training waited for DiLoCo's syncs (None: no syncs)
         "sync_wait_s": max((r["sync_wait_s"] for r in recs if r["sync_wait_s"] is not None),
                            default=None),
-        "auto_choice": args.auto_choice if name == "auto" else None,
+        "auto_choice": args.auto_choice if name in AUTO_ROWS else None,
         "loss": sum(r["eval_loss"] for r in recs) / len(recs),
         # which model the held-out loss is of: the ranks' different models, averaged
         "loss_over": "the anchor (the synced model, identical on every rank)"
         if split_row(name)[0] in HIDING_ROWS or (name == "auto" and args.chosen_overlap) else
         "mean of the ranks' models" if split_row(name)[0] in SEPARATE_MODELS or (
-            (args.auto_choice or {}).get("algorithm") in SEPARATE_MODELS and name == "auto")
+            (args.auto_choice or {}).get("algorithm") in SEPARATE_MODELS and name in AUTO_ROWS)
         else "the model (identical on every rank)",
         "train_loss": sum(c[1] for c in curve[max(0, args.steps - 5):args.steps]) / min(
             5, args.steps),

@@ -157,6 +157,9 @@ class AlgorithmImpl:
     # True: the first step's gradient buckets are DDP's first iteration's (one per dtype, in
     # registration order, no size limit) until the gradient-ready order is known
     ddp_first_layout: ClassVar[bool] = False
+    #: (algorithm, bucket size or None) the wrapped module switches to at its next
+    #: synchronised training forward (``with_bagua(..., "auto")``'s timed choice sets it)
+    switch_to: tuple | None = None
 
     def __init__(self, group: bc.ProcessGroup):
         self.group = group

@@ -89,7 +89,8 @@ def _wrap(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | None = N
                              f"{type(opt).__name__}")
     if isinstance(algorithm, str) and algorithm == "auto":  # measure the network, choose
         from .tuning.recommend import resolve_algorithm
-        rec = resolve_algorithm(algorithm, model, group)
+        rec = resolve_algorithm(algorithm, model, group, bucket_given=bucket_given,
+                                optimizers=None if autotune else optimizers)
         algorithm = rec.algorithm
         if rec.bucket_size and not bucket_given:   # the same on every rank (broadcast)
             bucket_size = rec.bucket_size
@@ -175,7 +176,12 @@ class BaguaModule(torch.nn.Module):
         self.optimizers = optimizers
         self.group = group
         self.do_flatten = do_flatten
+        self._broadcast_buffers = broadcast_buffers
         self.ctx = BaguaContext(_uncompiled(module), optimizers, group)
+        self._attach(algorithm, bucket_size, autotune, broadcast_state)
+
+    def _attach(self, algorithm, bucket_size, autotune, broadcast_state: bool) -> None:
+        module, optimizers, group = self.module, self.optimizers, self.group
         # rank 0's parameters, buffers and optimizer state, unless every rank holds them
         synced = (group.size > 1 and broadcast_state
                   and not _consistency.already_equal(module, optimizers, group))
@@ -188,12 +194,25 @@ class BaguaModule(torch.nn.Module):
                 opt.load_state_dict(state)
         self.impl: AlgorithmImpl = _flat_on_one_level(algorithm, group).reify(group)
         self._engine = StepEngine(self, self.ctx, self.impl, algorithm, bucket_size,
-                                  do_flatten=do_flatten, broadcast_buffers=broadcast_buffers)
+                                  do_flatten=self.do_flatten,
+                                  broadcast_buffers=self._broadcast_buffers)
         if optimizers:
             self._engine.hooks.extend(checkpoint.register_optimizer_hooks(self, optimizers[0]))
         # autotuning (bagua_algos.tuning.autotune): collective, after the buckets exist
         self._autotuner = _autotune.Autotuner(self, autotune) if autotune else None
         self._engine.tuner = self._autotuner
+
+    def _switch(self, algorithm, bucket_size: int | None) -> None:
+        """Switch this module to ``algorithm`` in place (every rank at the same training
+        forward: ``with_bagua(..., "auto")``'s timed choice), from rank 0's parameters,
+        buffers and optimizer state."""
+        bucket_size = self._engine.bucket_size if bucket_size is None else bucket_size
+        self._engine.detach()
+        step = self.ctx.step
+        self.ctx = BaguaContext(_uncompiled(self.module), self.optimizers, self.group)
+        self.ctx.step = step
+        self.algorithm = algorithm
+        self._attach(algorithm, bucket_size, None, broadcast_state=True)
 
     @property
     def engine(self) -> StepEngine:
@@ -265,6 +284,8 @@ class BaguaModule(torch.nn.Module):
 
     # -- user API -------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self.impl.switch_to is not None and self._engine.sync and torch.is_grad_enabled():
+            _eager(self._switch, *self.impl.switch_to)   # communicates: never traced
         out = self.module(*args, **kwargs)
         if self._engine.sync and torch.is_grad_enabled():
             _eager(self._engine.hook_outputs, out)

@@ -284,14 +284,7 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
         best = "gradient_allreduce"
     kwargs = {"hierarchical": hier}
     if best == "diloco":
-        from bagua_comm.compression import MinMaxUInt4
-
-        # chunks: one per rank exchanging the outer gradient (node leaders when hierarchical)
-        kwargs["sync_every"] = h
-        if hide:
-            kwargs["overlap_steps"] = hide
-        kwargs["outer_momentum"] = DILOCO_OUTER_MOMENTUM
-        kwargs["compressor"] = MinMaxUInt4(n if hier else world_size, error_feedback=True)
+        kwargs = diloco_kwargs(h, hide, hier, n if hier else world_size)
     if best == "decentralized":
         kwargs["peer_selection_mode"] = "shift_one"
     why = {"gradient_allreduce": "the network is fast enough for the exact allreduce",
@@ -308,6 +301,22 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
                         if hide else "")}[best]
     est = ", ".join(f"{a} {1e3 * s:.0f}" for a, s in sorted(scores.items(), key=lambda x: x[1]))
     return best, kwargs, f"{why} (est. ms/step x steps factor: {est})", scores
+
+
+def diloco_kwargs(sync_every: int, overlap_steps: int, hierarchical: bool,
+                  exchangers: int) -> dict:
+    """The DiLoCo the rule picks: ``sync_every`` inner steps, each sync hidden behind
+    ``overlap_steps`` of them (0: blocking), outer momentum :data:`DILOCO_OUTER_MOMENTUM`, the
+    outer gradient in 4 bits with error feedback, one chunk per rank exchanging it
+    (``exchangers``: the node leaders when ``hierarchical``, else every rank)."""
+    from bagua_comm.compression import MinMaxUInt4
+
+    kwargs = {"hierarchical": hierarchical, "sync_every": sync_every}
+    if overlap_steps:
+        kwargs["overlap_steps"] = overlap_steps
+    kwargs["outer_momentum"] = DILOCO_OUTER_MOMENTUM
+    kwargs["compressor"] = MinMaxUInt4(exchangers, error_feedback=True)
+    return kwargs
 
 
 def _shift(buf: torch.Tensor, out: torch.Tensor, dst: int, src: int, group) -> None:
@@ -507,9 +516,14 @@ def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None
     return Recommendation(name, kwargs, Algorithm.init(name, **kwargs), m, line, scores, bucket)
 
 
-def resolve_algorithm(spec: str, model, group=None) -> Recommendation:
+def resolve_algorithm(spec: str, model, group=None, *, optimizers=None,
+                      bucket_given: bool = False) -> Recommendation:
     """``with_bagua(model, opts, "auto")``: :func:`recommend`'s answer (collective).
-    ``BAGUA_ALGORITHM`` overrules it; an explicit Algorithm never reaches here."""
+    ``BAGUA_ALGORITHM`` overrules it; an explicit Algorithm never reaches here.  With
+    ``optimizers`` given, where the measurement leaves DiLoCo a chance (several nodes, the
+    exact allreduce's communication not negligible) and DiLoCo can run this model, the
+    answer is a :class:`~bagua_algos.tuning.timed_choice.TimedChoice`: the first steps are
+    timed and then the rule chooses, told their computation time."""
     if spec != "auto":
         raise ValueError(f"algorithm as a string must be 'auto', got {spec!r}")
     if not bc.is_initialized() and torch.distributed.is_initialized():
@@ -517,4 +531,27 @@ def resolve_algorithm(spec: str, model, group=None) -> Recommendation:
     if not bc.is_initialized():
         raise RuntimeError("bagua_comm is not initialised: call bagua_comm.init_process_group() "
                            "before with_bagua(..., 'auto')")
-    return recommend(model, group=group)
+    rec = recommend(model, group=group)
+    m = rec.measurement
+    if (optimizers is None or m is None or m.nodes < 2
+            or (rec.name == "gradient_allreduce"
+                and rec.scores.get("gradient_allreduce", 0.0) < NEGLIGIBLE_S)):
+        return rec
+    from .timed_choice import TIMED_STEPS, TimedChoice
+
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
+                      if p.requires_grad)
+    timed = TimedChoice(m, model_bytes, bucket_given=bucket_given)
+    try:
+        timed.check_wrap(model, list(optimizers))
+    except ValueError as err:     # the same model on every rank: the same answer
+        log.info(f"bagua auto: {rec.name} without timing the step (DiLoCo cannot run "
+                 f"this model: {err})")
+        return rec
+    line = (f"bagua auto: timing the first {TIMED_STEPS} steps (trained locally) before "
+            f"choosing: DiLoCo is a candidate on this network against a known step time")
+    log.info(line)
+    if (bc.get_default_group() if group is None else group).rank == 0:
+        print(line, flush=True)
+    return Recommendation(rec.name, rec.kwargs, timed, m, f"{rec.reason}; {line}",
+                          rec.scores, None)

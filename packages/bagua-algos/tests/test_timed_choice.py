@@ -1,0 +1,147 @@
+"""with_bagua(model, [opt], "auto") times the first steps, then chooses (tuning/timed_choice.py).
+
+The network is the one the ranks would measure on a far link (the measurement is replaced: on
+loopback every rank is on one node, where nothing is deferred).  References: DiLoCo wrapped
+with the chosen H from the start, the ranks' own local training averaged by hand, and
+GradientAllReduce from that average.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _common import batch, loss_fn, make_model, params
+
+import bagua_comm as bc
+from bagua_algos import DiLoCo, GradientAllReduce, with_bagua
+from bagua_algos.tuning.recommend import NetworkMeasurement, choose, diloco_kwargs
+from bagua_comm.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _far_link(bandwidth=100.0, latency=50.0):
+    import bagua_algos.tuning.recommend as rec
+
+    world = bc.get_world_size()
+    rec._measure = lambda group, time_limit_s, device, agree: (NetworkMeasurement(
+        bandwidth, latency, world, world, 0.0), agree)
+
+
+def _step(model, opt, i):
+    opt.zero_grad()
+    loss_fn(model, *batch(i, bc.get_rank())).backward()
+    opt.step()
+
+
+def _timed_then_diloco():
+    _far_link()
+    model = make_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    m = with_bagua(model, [opt], "auto")
+    kind = type(m.algorithm).__name__
+    for i in range(4):
+        _step(m, opt, i)
+    before = params(model)                 # 4 local steps: nothing sent yet
+    _step(m, opt, 4)
+    name, kwargs = m.impl.choice
+    h = m.impl.H
+    steps = h + 3                          # one sync, then inner steps after it
+    for i in range(5, steps):
+        _step(m, opt, i)
+    got = params(model)
+
+    ref = make_model(0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    r = with_bagua(ref, [ref_opt], DiLoCo(**diloco_kwargs(h, 0, False, bc.get_world_size())))
+    for i in range(steps):
+        _step(r, ref_opt, i)
+    return {"kind": kind, "name": name, "kwargs": repr(kwargs), "h": h,
+            "compute": m.impl.compute_s, "before": before, "got": got, "ref": params(ref),
+            "syncs": m.impl.outer_steps[0], "same": all(
+                torch.equal(a, b) for a, b in zip(got, params(ref)))}
+
+
+def test_a_slow_link_trains_locally_while_timing_then_goes_on_as_diloco():
+    a, b = run_ranks(_timed_then_diloco, 2, timeout=240)
+    assert a["kind"] == b["kind"] == "TimedChoice"
+    # every rank agreed on one step time, so on one choice
+    assert a["compute"] == b["compute"] > 0
+    assert (a["name"], a["kwargs"], a["h"]) == (b["name"], b["kwargs"], b["h"])
+    # ... the rule's, for the measured network and that time
+    nbytes = sum(p.numel() * 4 for p in make_model(0).parameters())
+    name, kwargs, _, _ = choose(100.0, 50.0, 2, nbytes, compute_s=a["compute"], nodes=2)
+    assert (a["name"], a["kwargs"]) == (name, repr(kwargs)) and name == "diloco"
+    assert a["h"] == kwargs["sync_every"]
+    # the timed steps were local: the ranks' models differed before the first sync
+    assert any(not torch.equal(x, y) for x, y in zip(a["before"], b["before"]))
+    # ... and the run is DiLoCo with that H from the wrap, bit for bit, one sync in
+    assert a["syncs"] == b["syncs"] == 1
+    assert a["same"] and b["same"]
+    assert all(torch.equal(x, y) for x, y in zip(a["got"], a["ref"]))
+
+
+def _timed_then_per_step():
+    import bagua_algos.tuning.timed_choice as tc
+
+    _far_link()
+    # the rule told to answer the exact allreduce (its choice is the other test's subject)
+    tc.choose = lambda *args, **kw: ("gradient_allreduce", {"hierarchical": False},
+                                     "the test's", {})
+    model = make_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    m = with_bagua(model, [opt], "auto")
+    local = make_model(0)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9)
+    for i in range(5):
+        _step(m, opt, i)
+        _step(local, local_opt, i)
+    averaged = params(model)
+    kind = type(m.algorithm).__name__
+    for i in range(5, 9):
+        _step(m, opt, i)
+    # the reference: GradientAllReduce from the average, with rank 0's optimizer state
+    ref = make_model(0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    with torch.no_grad():
+        for p, q in zip(ref.parameters(), averaged):
+            p.copy_(q)
+    ref_opt.load_state_dict(local_opt.state_dict())
+    r = with_bagua(ref, [ref_opt], GradientAllReduce())
+    for i in range(5, 9):
+        _step(r, ref_opt, i)
+    return {"local": params(local), "averaged": averaged, "kind": kind,
+            "after": type(m.algorithm).__name__, "got": params(model), "ref": params(ref),
+            "same": all(torch.equal(x, y) for x, y in zip(params(model), params(ref)))}
+
+
+def test_a_per_step_choice_averages_the_timed_steps_and_switches_in_place():
+    a, b = run_ranks(_timed_then_per_step, 2, timeout=240)
+    assert a["kind"] == "TimedChoice" and a["after"] == b["after"] == "GradientAllReduce"
+    # after the timed steps: the average of the ranks' own local training, by hand
+    for x, y, got_a, got_b in zip(a["local"], b["local"], a["averaged"], b["averaged"]):
+        assert not torch.equal(x, y)
+        assert torch.equal(got_a, (x + y) / 2) and torch.equal(got_b, got_a)
+    # then the exact allreduce, as wrapped from that average and rank 0's momentum
+    assert a["same"] and b["same"]
+    assert all(torch.equal(x, y) for x, y in zip(a["got"], b["got"]))
+
+
+def _one_node_or_no_optimizer(case):
+    if case == "far, no optimizer":
+        _far_link()
+        m = with_bagua(make_model(0), [], "auto")
+    elif case == "fast":               # the exact allreduce's communication negligible
+        _far_link(bandwidth=10_000.0, latency=0.1)
+        model = make_model(0)
+        m = with_bagua(model, [torch.optim.SGD(model.parameters(), lr=0.1)], "auto")
+    else:                              # loopback, measured: one node
+        model = make_model(0)
+        m = with_bagua(model, [torch.optim.SGD(model.parameters(), lr=0.1)], "auto")
+    return type(m.algorithm).__name__
+
+
+@pytest.mark.parametrize("case", ["far, no optimizer", "fast", "one node"])
+def test_nothing_is_timed_where_diloco_has_no_chance(case):
+    a, b = run_ranks(_one_node_or_no_optimizer, 2, args=(case,), timeout=200)
+    assert a == b != "TimedChoice"
