@@ -134,7 +134,7 @@ def test_the_stubs_block_the_extras(tmp_path):
         assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr, (name, r.stderr)
 
 
-MAIN_JOB_JSON = ROOT / "benchmarks" / "studies" / "results" / "main-job-2026-11-29.json"
+MAIN_JOB_JSON = ROOT / "benchmarks" / "studies" / "results" / "main-job-2026-11-29b.json"
 
 
 def test_replot_draws_a_runs_picture_again_from_its_json_and_runs_nothing(tmp_path):
@@ -433,7 +433,7 @@ def test_quantised_low_rank_rows_send_8_bit_factors_in_chunks_the_world_divides(
 
 def test_quick_is_the_main_run_of_the_docs_at_a_target_alone_misses():
     """``--quick`` (``nox -s demo``, README's first command) is the run docs/main-job.md
-    quotes: 4 hosts at 100 Mbit/s, DDP's loss after 10 to 80 steps, its dozen rows; the
+    quotes: 4 hosts at 100 Mbit/s, DDP's loss after 10 to 80 steps, its thirteen rows; the
     full run keeps N/4 .. 4N; an explicit flag wins over either preset."""
     from _e2e_rows import QUICK_ROWS
     from e2e import parse_args

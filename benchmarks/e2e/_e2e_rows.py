@@ -36,12 +36,11 @@ DEFAULT_ROWS = ["ddp", ALONE, "ddp_fp16", "ddp_powersgd", "ddp_bytegrad_hook",
 # ones (torchft's DiLoCo beside ours) and the automatic choice; every row with --algorithms
 QUICK_ROWS = ["ddp", ALONE, "ddp_powersgd", "ddp_bytegrad_hook", "bytegrad", "topk",
               "low_rank_r32_u8", "local_sgd", "diloco_u4_m05", "diloco_u4_m05_hide", "ft_diloco",
-              "auto"]
+              "auto", "auto_wrap"]
 # "auto": recommend(model, compute_s=<a step's compute>, total_steps=<DDP's steps to the
 # deepest target>), then with_bagua with its algorithm and bucket size, as docs/tradeoff.md
-# tells a user to (network measured at the start, its time counted; with_bagua(..., "auto")
-# alone cannot know the step's compute, so it never picks DiLoCo); the trade-off map scores
-# the choice by this row
+# tells a user to for a run of known length (network measured at the start, its time
+# counted); the trade-off map scores the choice by this row
 # "auto_wrap": with_bagua(model, [opt], "auto") as a user writes it, told nothing: the network
 # measured at the wrap, then the first steps trained locally and timed before the rule
 # chooses (bagua_algos.tuning.timed_choice); its time includes both

@@ -293,6 +293,7 @@ def _read_timed_choice(wrapped, args) -> bool:
     if choice is None and type(wrapped.algorithm).__name__ == "TimedChoice":
         return False                    # still timing
     name, kwargs = choice if choice is not None else (wrapped.algorithm.name, {})
+    args.chosen_overlap = int(kwargs.get("overlap_steps") or 0)   # hidden syncs: the anchor
     args.auto_choice.update({"algorithm": name, "kwargs": jsonable(kwargs),
                              "compute_s": getattr(impl, "compute_s", None),
                              "bucket_size": wrapped.bucket_size})
@@ -385,6 +386,7 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
         if name == AUTO_WRAP and args.auto_choice["algorithm"] is None \
                 and _read_timed_choice(wrapped, args):
             period = _sync_period(name, args)     # DiLoCo's H, once chosen
+            tau = args.chosen_overlap if period else 0
         # A DiLoCo row is read when each sync lands, tau steps after it started, by DiLoCo's
         # own count (warm-up steps in): there its ranks hold the synced model; a step later
         # each has moved on alone (read every 5 steps, a sync at step 106 was read at 110,
@@ -520,7 +522,7 @@ def _combine(name: str, recs: list[dict], args, params: int, world: int) -> dict
         "loss": sum(r["eval_loss"] for r in recs) / len(recs),
         # which model the held-out loss is of: the ranks' different models, averaged
         "loss_over": "the anchor (the synced model, identical on every rank)"
-        if split_row(name)[0] in HIDING_ROWS or (name == "auto" and args.chosen_overlap) else
+        if split_row(name)[0] in HIDING_ROWS or (name in AUTO_ROWS and args.chosen_overlap) else
         "mean of the ranks' models" if split_row(name)[0] in SEPARATE_MODELS or (
             (args.auto_choice or {}).get("algorithm") in SEPARATE_MODELS and name in AUTO_ROWS)
         else "the model (identical on every rank)",

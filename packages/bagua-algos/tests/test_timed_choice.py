@@ -45,18 +45,19 @@ def _timed_then_diloco():
     before = params(model)                 # 4 local steps: nothing sent yet
     _step(m, opt, 4)
     name, kwargs = m.impl.choice
-    h = m.impl.H
-    steps = h + 3                          # one sync, then inner steps after it
+    h, tau = m.impl.H, m.impl.tau
+    steps = h + tau + 3                    # one sync landed, then inner steps after it
     for i in range(5, steps):
         _step(m, opt, i)
     got = params(model)
 
     ref = make_model(0)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    r = with_bagua(ref, [ref_opt], DiLoCo(**diloco_kwargs(h, 0, False, bc.get_world_size())))
+    r = with_bagua(ref, [ref_opt], DiLoCo(**diloco_kwargs(h, tau, False,
+                                                        bc.get_world_size())))
     for i in range(steps):
         _step(r, ref_opt, i)
-    return {"kind": kind, "name": name, "kwargs": repr(kwargs), "h": h,
+    return {"kind": kind, "name": name, "kwargs": repr(kwargs), "h": h, "tau": tau,
             "compute": m.impl.compute_s, "before": before, "got": got, "ref": params(ref),
             "syncs": m.impl.outer_steps[0], "same": all(
                 torch.equal(a, b) for a, b in zip(got, params(ref)))}
@@ -72,10 +73,10 @@ def test_a_slow_link_trains_locally_while_timing_then_goes_on_as_diloco():
     nbytes = sum(p.numel() * 4 for p in make_model(0).parameters())
     name, kwargs, _, _ = choose(100.0, 50.0, 2, nbytes, compute_s=a["compute"], nodes=2)
     assert (a["name"], a["kwargs"]) == (name, repr(kwargs)) and name == "diloco"
-    assert a["h"] == kwargs["sync_every"]
+    assert a["h"] == kwargs["sync_every"] and a["tau"] == kwargs.get("overlap_steps", 0)
     # the timed steps were local: the ranks' models differed before the first sync
     assert any(not torch.equal(x, y) for x, y in zip(a["before"], b["before"]))
-    # ... and the run is DiLoCo with that H from the wrap, bit for bit, one sync in
+    # ... and the run is DiLoCo with that H (and T) from the wrap, bit for bit, one sync in
     assert a["syncs"] == b["syncs"] == 1
     assert a["same"] and b["same"]
     assert all(torch.equal(x, y) for x, y in zip(a["got"], a["ref"]))
@@ -145,3 +146,12 @@ def _one_node_or_no_optimizer(case):
 def test_nothing_is_timed_where_diloco_has_no_chance(case):
     a, b = run_ranks(_one_node_or_no_optimizer, 2, args=(case,), timeout=200)
     assert a == b != "TimedChoice"
+
+
+def test_at_least_two_steps_are_timed():
+    from bagua_algos.tuning.timed_choice import TimedChoice
+
+    far = NetworkMeasurement(100.0, 50.0, 4, 4, 0.0)
+    with pytest.raises(ValueError, match="timed_steps"):
+        TimedChoice(far, 1e6, timed_steps=1)
+    assert TimedChoice(far, 1e6, timed_steps=2).sync_every > 10**9    # no sync before it

@@ -88,7 +88,7 @@ def _wrap(model: torch.nn.Module, optimizers=(), algorithm: Algorithm | None = N
             raise ValueError(f"optimizers[{i}] must be a torch.optim.Optimizer, got "
                              f"{type(opt).__name__}")
     if isinstance(algorithm, str) and algorithm == "auto":  # measure the network, choose
-        from .tuning.recommend import resolve_algorithm
+        from .tuning.timed_choice import resolve_algorithm
         rec = resolve_algorithm(algorithm, model, group, bucket_given=bucket_given,
                                 optimizers=None if autotune else optimizers)
         algorithm = rec.algorithm

@@ -229,6 +229,29 @@ def diloco_run_plan(sync_s: float, compute_s: float, total_steps: int) -> DiLoCo
     return plain
 
 
+def diloco_open_plan(sync_s: float, compute_s: float) -> tuple[int, int]:
+    """``(H, T)`` for a run of unknown length: every sync blocking at
+    :func:`diloco_sync_every`'s H (``T = 0``), or every sync hidden behind the ``T`` inner
+    steps its transfer takes, whichever costs less a step in the long run, ties (within 2%)
+    to blocking.  A step costs ``diloco_steps_factor(H) x (compute + per sync / H)``, a sync
+    :data:`DILOCO_SYNC_HOST_S` of host work on top of its transfer when blocking, and that
+    and any transfer beyond ``T`` steps when hidden (H at least ``T + 1`` and
+    :data:`DILOCO_MIN_HIDDEN_SYNC_EVERY`); the hidden run's one-off ``T`` steps at its end
+    are left out.  On the main job's 4 hosts at 100 Mbit/s, 50 ms (a sync ~0.5 s, a step
+    0.1 s) the blocking rule's H = 34 reached DDP's loss after 80 steps in 15.1 s, the hidden
+    H = 16, T = 5 in 10.4 s."""
+    c, sync_s = max(0.0, compute_s), max(0.0, sync_s)
+    h = diloco_sync_every(sync_s, c)
+    blocking = diloco_steps_factor(h) * (c + (sync_s + DILOCO_SYNC_HOST_S) / h)
+    hide = overlap_steps_for(sync_s, c)
+    wire = max(0.0, sync_s - hide * c) + DILOCO_SYNC_HOST_S
+    floor = max(DILOCO_MIN_SYNC_EVERY, hide + 1, DILOCO_MIN_HIDDEN_SYNC_EVERY)
+    if floor > 512:
+        return h, 0
+    hidden, hh = min((diloco_steps_factor(k) * (c + wire / k), k) for k in range(floor, 513))
+    return (hh, hide) if hidden < blocking / 1.02 else (h, 0)
+
+
 def diloco_sync_every(comm_s: float, compute_s: float, overhead: float = 0.1, *,
                       total_steps: int | None = None,
                       min_syncs: int = DILOCO_MIN_SYNCS) -> int:

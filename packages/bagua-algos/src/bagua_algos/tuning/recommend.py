@@ -53,7 +53,9 @@ from .diloco_cost import (  # noqa: F401  (DiLoCo's cost model, re-exported: rec
     DILOCO_OUTER_MOMENTUM,
     DILOCO_PLAN_MARGIN,
     DILOCO_STEPS_PER_LOG_H,
+    DILOCO_SYNC_HOST_S,
     DiLoCoPlan,
+    diloco_open_plan,
     diloco_plan,
     diloco_run_plan,
     diloco_steps_factor,
@@ -218,8 +220,8 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
     ``bandwidth_mbit``/``latency_ms`` (one way) between nodes, ``model_bytes`` the gradient
     bytes per step, ``compute_s`` a step's computation (0: unknown, communication only).
     With the computation known, DiLoCo (train locally, average every H steps) is a candidate
-    too: its cost only makes sense against it (``with_bagua(..., "auto")`` does not know it;
-    ``recommend(model, compute_s=...)`` does); ``total_steps`` (the run's planned steps: DDP's steps
+    too: its cost only makes sense against it (``recommend(model, compute_s=...)`` is told it;
+    ``with_bagua(..., "auto")`` times its first steps for it: ``timed_choice``); ``total_steps`` (the run's planned steps: DDP's steps
     to the loss it aims at) plans its H for that run, with its syncs blocking or hidden
     behind inner steps (``overlap_steps``), whichever is faster (:func:`diloco_run_plan`).
     ``codec_s_per_byte`` (seconds per model byte for one compress + decompress, as
@@ -268,9 +270,10 @@ def choose(bandwidth_mbit: float, latency_ms: float, world_size: int, model_byte
         # bytes, the codec) every H steps
         sync = diloco_sync_seconds(bandwidth_mbit, latency_ms, n, model_bytes, codec_s_per_byte,
                                    slow_start=slow_start)
-        if total_steps is None:
-            h = diloco_sync_every(sync, compute_s)
-            comm["diloco"], factor["diloco"] = sync / h, diloco_steps_factor(h)
+        if total_steps is None:   # open-ended: syncs blocking or hidden, cheaper a step
+            h, hide = diloco_open_plan(sync, compute_s)
+            per_sync = (DILOCO_SYNC_HOST_S + max(0.0, sync - hide * compute_s)) if hide else sync
+            comm["diloco"], factor["diloco"] = per_sync / h, diloco_steps_factor(h)
         else:     # the run's plan: syncs blocking or hidden, whichever is faster
             plan = diloco_run_plan(sync, compute_s, total_steps)
             h, hide = plan.sync_every, plan.overlap_steps
@@ -514,44 +517,3 @@ def recommend(model: torch.nn.Module | None = None, *, model_bytes: float | None
     if group.rank == 0:
         print(line, flush=True)
     return Recommendation(name, kwargs, Algorithm.init(name, **kwargs), m, line, scores, bucket)
-
-
-def resolve_algorithm(spec: str, model, group=None, *, optimizers=None,
-                      bucket_given: bool = False) -> Recommendation:
-    """``with_bagua(model, opts, "auto")``: :func:`recommend`'s answer (collective).
-    ``BAGUA_ALGORITHM`` overrules it; an explicit Algorithm never reaches here.  With
-    ``optimizers`` given, where the measurement leaves DiLoCo a chance (several nodes, the
-    exact allreduce's communication not negligible) and DiLoCo can run this model, the
-    answer is a :class:`~bagua_algos.tuning.timed_choice.TimedChoice`: the first steps are
-    timed and then the rule chooses, told their computation time."""
-    if spec != "auto":
-        raise ValueError(f"algorithm as a string must be 'auto', got {spec!r}")
-    if not bc.is_initialized() and torch.distributed.is_initialized():
-        bc.init_process_group()  # adopt torch's default process group, as with_bagua does
-    if not bc.is_initialized():
-        raise RuntimeError("bagua_comm is not initialised: call bagua_comm.init_process_group() "
-                           "before with_bagua(..., 'auto')")
-    rec = recommend(model, group=group)
-    m = rec.measurement
-    if (optimizers is None or m is None or m.nodes < 2
-            or (rec.name == "gradient_allreduce"
-                and rec.scores.get("gradient_allreduce", 0.0) < NEGLIGIBLE_S)):
-        return rec
-    from .timed_choice import TIMED_STEPS, TimedChoice
-
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
-                      if p.requires_grad)
-    timed = TimedChoice(m, model_bytes, bucket_given=bucket_given)
-    try:
-        timed.check_wrap(model, list(optimizers))
-    except ValueError as err:     # the same model on every rank: the same answer
-        log.info(f"bagua auto: {rec.name} without timing the step (DiLoCo cannot run "
-                 f"this model: {err})")
-        return rec
-    line = (f"bagua auto: timing the first {TIMED_STEPS} steps (trained locally) before "
-            f"choosing: DiLoCo is a candidate on this network against a known step time")
-    log.info(line)
-    if (bc.get_default_group() if group is None else group).rank == 0:
-        print(line, flush=True)
-    return Recommendation(rec.name, rec.kwargs, timed, m, f"{rec.reason}; {line}",
-                          rec.scores, None)

@@ -9,8 +9,10 @@ of that step every rank agrees on the slowest rank's median step time (one small
 collective) and applies the rule (:func:`~bagua_algos.tuning.recommend.choose`) to the
 network measured at the wrap and that time:
 
-- DiLoCo: training goes on as DiLoCo with the rule's H, whose first inner steps were these
-  (the anchor is the wrapped model's start, as if DiLoCo had been chosen at the wrap);
+- DiLoCo: training goes on as DiLoCo with the rule's H (and ``overlap_steps``, where hiding
+  each sync behind inner steps costs less: keep ``model.synced_state_dict()`` then), whose
+  first inner steps were these (the anchor is the wrapped model's start, as if DiLoCo had
+  been chosen at the wrap);
 - a per-step algorithm: the ranks average their models (one allreduce, as a LocalSGD sync
   after these steps), and the module switches to that algorithm at its next synchronised
   training forward (rank 0's optimizer state then, as with any switch).
@@ -29,15 +31,24 @@ import torch
 
 import bagua_comm as bc
 
+from .._engine.checks import check_int_at_least
 from .._engine.small import max_small
 from ..algorithm import Algorithm
 from ..algorithms.diloco import DiLoCo, DiLoCoImpl
-from .recommend import NetworkMeasurement, bucket_size_for, choose, diloco_kwargs
+from .recommend import (
+    NEGLIGIBLE_S,
+    NetworkMeasurement,
+    Recommendation,
+    bucket_size_for,
+    choose,
+    diloco_kwargs,
+    recommend,
+)
 
 log = logging.getLogger("bagua_algos.recommend")
 
-#: Optimizer steps timed before the choice: the first pays first-use costs, so the median
-#: of the next ones' times is the step's computation
+#: Optimizer steps timed before the choice (at least 2): the first pays first-use costs, so
+#: the median of the next ones' times is the step's computation
 TIMED_STEPS = 5
 #: DiLoCo's H while timing: no sync before the choice sets the real one
 _UNSET = 2 ** 31 - 1
@@ -49,6 +60,7 @@ class TimedChoice(DiLoCo):
 
     def __init__(self, measurement: NetworkMeasurement, model_bytes: float, *,
                  bucket_given: bool = False, timed_steps: int = TIMED_STEPS):
+        check_int_at_least("timed_steps", timed_steps, 2)
         hier = measurement.nodes < measurement.world_size
         super().__init__(**diloco_kwargs(
             _UNSET, 0, hier, measurement.nodes if hier else measurement.world_size))
@@ -75,7 +87,8 @@ class TimedChoiceImpl(DiLoCoImpl):
             if self.device.type == "cuda":   # the step's kernels, not their launches
                 torch.cuda.synchronize(self.device)
             self._stamps.append(time.perf_counter())
-            if t >= self.algo._timed_steps:
+            # the steps this wrap took (a run resumed from a checkpoint times its own)
+            if len(self._stamps) >= self.algo._timed_steps:
                 self._choose()
         super().on_step(t)
 
@@ -88,9 +101,11 @@ class TimedChoiceImpl(DiLoCoImpl):
                                       codec_s_per_byte=m.codec_s_per_byte,
                                       slow_start=bool(m.tcp_restarts_after_idle))
         self.compute_s, self.choice = compute, (name, kwargs)
-        if name == "diloco":
+        if name == "diloco":     # no sync has started: H and T take effect from here
             self.H = algo.sync_every = kwargs["sync_every"]
-            then = f"DiLoCo goes on with H = {self.H}"
+            self.tau = algo.overlap_steps = kwargs.get("overlap_steps", 0)
+            then = f"DiLoCo goes on with H = {self.H}" + (
+                f", each sync hidden behind {self.tau} steps" if self.tau else "")
         else:
             self._average()
             bucket = None if algo._bucket_given else bucket_size_for(
@@ -99,8 +114,8 @@ class TimedChoiceImpl(DiLoCoImpl):
             then = (f"models averaged, {name} from the next training forward"
                     + (f" (buckets of {bucket / 2**20:.0f} MiB)" if bucket else ""))
         line = (f"bagua auto: {name}{kwargs} -- a step took {1e3 * compute:.1f} ms "
-                f"(the slowest rank's median over steps 2-{len(self._stamps)}, trained "
-                f"locally); {then}; {why}")
+                f"(the slowest rank's median over the {len(gaps)} timed after the first, "
+                f"trained locally); {then}; {why}")
         log.info(line)
         if self.group.rank == 0:
             print(line, flush=True)
@@ -112,3 +127,42 @@ class TimedChoiceImpl(DiLoCoImpl):
                 x = self.gather(f)
                 self.reducer.allreduce(x, bc.ReduceOp.AVG).wait()
                 self.scatter(f, x)
+
+
+def resolve_algorithm(spec: str, model, group=None, *, optimizers=None,
+                      bucket_given: bool = False) -> Recommendation:
+    """``with_bagua(model, opts, "auto")``: :func:`recommend`'s answer (collective).
+    ``BAGUA_ALGORITHM`` overrules it; an explicit Algorithm never reaches here.  With
+    ``optimizers`` given, where the measurement leaves DiLoCo a chance (several nodes, the
+    exact allreduce's communication not negligible) and DiLoCo can run this model, the
+    answer is a :class:`~bagua_algos.tuning.timed_choice.TimedChoice`: the first steps are
+    timed and then the rule chooses, told their computation time."""
+    if spec != "auto":
+        raise ValueError(f"algorithm as a string must be 'auto', got {spec!r}")
+    if not bc.is_initialized() and torch.distributed.is_initialized():
+        bc.init_process_group()  # adopt torch's default process group, as with_bagua does
+    if not bc.is_initialized():
+        raise RuntimeError("bagua_comm is not initialised: call bagua_comm.init_process_group() "
+                           "before with_bagua(..., 'auto')")
+    rec = recommend(model, group=group)
+    m = rec.measurement
+    if (optimizers is None or m is None or m.nodes < 2
+            or (rec.name == "gradient_allreduce"
+                and rec.scores.get("gradient_allreduce", 0.0) < NEGLIGIBLE_S)):
+        return rec
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
+                      if p.requires_grad)
+    timed = TimedChoice(m, model_bytes, bucket_given=bucket_given)
+    try:
+        timed.check_wrap(model, list(optimizers))
+    except ValueError as err:     # the same model on every rank: the same answer
+        log.info(f"bagua auto: {rec.name} without timing the step (DiLoCo cannot run "
+                 f"this model: {err})")
+        return rec
+    line = (f"bagua auto: timing the first {TIMED_STEPS} steps (trained locally) before "
+            f"choosing: DiLoCo is a candidate on this network against a known step time")
+    log.info(line)
+    if (bc.get_default_group() if group is None else group).rank == 0:
+        print(line, flush=True)
+    return Recommendation(rec.name, rec.kwargs, timed, m, f"{rec.reason}; {line}",
+                          rec.scores, None)
