@@ -43,7 +43,7 @@ def test_each_cell_names_its_winner_margin_and_the_automatic_choice(tmp_path):
     assert b["times_s"] == {"ddp": 30.0, "bytegrad": 25.0, "decentralized_shift_one": 12.0}
     # The automatic choice, scored by the time of the row it would run.
     assert a["auto"] in ("bytegrad", "gradient_allreduce", "decentralized_shift_one",
-                         "low_precision_decentralized", "diloco")
+                         "low_precision_decentralized", "diloco", "diloco_u4_m05_hide")
     if b["auto"] in b["times_s"]:
         assert b["auto_vs_best"] == pytest.approx(b["times_s"][b["auto"]] / 12.0)
     src = tmp_path / "e2e.json"
@@ -139,14 +139,18 @@ def test_the_rules_diloco_pick_is_scored_by_its_outer_momentum_row():
     assert _VARIANTS["diloco_u4_m05"] == ("diloco", {"outer_momentum": DILOCO_OUTER_MOMENTUM})
     assert OUTER_BYTES["diloco_u4_m05"] == DILOCO_OUTER_BYTES
 
-    params, compute = 3_300_000, 0.05
+    # a step long against its sync (3 s): blocking syncs (a short step's are hidden behind
+    # inner steps, which the hiding row scores)
+    params, compute = 3_300_000, 3.0
     # the precondition, from the rule itself: on this cell it picks DiLoCo with momentum 0.5
     name, kwargs, _why, _scores = choose(10, 50, 4, 4 * params, compute_s=compute)
     assert name == "diloco" and kwargs["outer_momentum"] == DILOCO_OUTER_MOMENTUM == 0.5
+    assert "overlap_steps" not in kwargs
     assert auto_pick(10, 50, 4, 4 * params, compute) == "diloco"
-    rows = [_run(10, 50, "ddp", 60.0), _run(10, 50, "alone", None),
-            _run(10, 50, "diloco", 20.0), _run(10, 50, "diloco_u4", 16.0),
-            _run(10, 50, "diloco_u4_m05", 12.0)]
+    assert auto_pick(10, 50, 4, 4 * params, 0.05) == "diloco_u4_m05_hide"
+    rows = [_run(10, 50, a, t, compute) for a, t in (
+        ("ddp", 60.0), ("alone", None), ("diloco", 20.0), ("diloco_u4", 16.0),
+        ("diloco_u4_m05", 12.0))]
     report = {"model": {"params": params}, "config": {}, "runs": rows}
     [cell] = build_map(report)
     assert cell["winner"] == "diloco_u4_m05"
@@ -155,5 +159,5 @@ def test_the_rules_diloco_pick_is_scored_by_its_outer_momentum_row():
     [cell] = build_map({**report, "runs": rows[:4]})
     assert cell["auto"] == "diloco" and cell["auto_vs_best"] == pytest.approx(1.0)
     # neither 4-bit row: the plain DiLoCo row
-    [cell] = build_map({**report, "runs": [*rows[:3], _run(10, 50, "bytegrad", 10.0)]})
+    [cell] = build_map({**report, "runs": [*rows[:3], _run(10, 50, "bytegrad", 10.0, compute)]})
     assert cell["auto"] == "diloco" and cell["auto_vs_best"] == pytest.approx(20.0 / 10.0)
