@@ -260,8 +260,13 @@ def _mode(r: dict) -> str:
         if c.get("probe_s") is not None:     # its probe, counted in its time
             note += f"; its {c['probe_s']:.1f}s probe counted in its time"
         if c.get("compute_s") is not None:   # auto_wrap: chosen after timing its first steps
-            note += (f" after timing {1e3 * c['compute_s']:.0f}-ms steps; its "
-                     f"{c['setup_s']:.1f}s probe and wrap counted in its time")
+            note += f" after timing {1e3 * c['compute_s']:.0f}-ms steps"
+            if c.get("measured_beside_s") is not None:    # its probe ran beside those steps
+                note += (f" (at step {c.get('chosen_at_step')}, its {c['measured_beside_s']:.1f}s "
+                         f"measurement beside them); its {c['setup_s']:.1f}s wrap counted in "
+                         f"its time")
+            else:
+                note += f"; its {c['setup_s']:.1f}s probe and wrap counted in its time"
         return note
 
     note = mode_note(r["algorithm"], r.get("procs_per_host") or 1,

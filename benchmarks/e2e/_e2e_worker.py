@@ -109,7 +109,7 @@ def _build(name: str, model, args, harness):
                             "setup_s": round(time.perf_counter() - t0, 3),   # and the wrap
                             "reason": rec.reason}
         return wrapped, opt
-    if name == AUTO_WRAP:  # as a user writes it: measured at the wrap, then steps timed
+    if name == AUTO_WRAP:  # as a user writes it: steps timed, the network measured beside them
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         t0 = time.perf_counter()
         wrapped = bagua_algos.with_bagua(model, [opt], "auto")
@@ -288,14 +288,21 @@ def _sync_period(name: str, args) -> int | None:
 def _read_timed_choice(wrapped, args) -> bool:
     """The auto_wrap row: once its timed steps made the choice, note it (what, from which
     step time) and return True; the choice's impl holds it until the next forward."""
+    from bagua_algos.tuning.timed_choice import TimedChoice
+
     impl = getattr(wrapped, "impl", None)
     choice = getattr(impl, "choice", None)
-    if choice is None and type(wrapped.algorithm).__name__ == "TimedChoice":
+    if choice is None and isinstance(wrapped.algorithm, TimedChoice):
         return False                    # still timing
     name, kwargs = choice if choice is not None else (wrapped.algorithm.name, {})
     args.chosen_overlap = int(kwargs.get("overlap_steps") or 0)   # hidden syncs: the anchor
+    m = getattr(impl, "measurement", None)
     args.auto_choice.update({"algorithm": name, "kwargs": jsonable(kwargs),
                              "compute_s": getattr(impl, "compute_s", None),
+                             "chosen_at_step": getattr(impl, "chosen_at", None),
+                             # measured beside the local steps (a CPU job): no setup time
+                             "measured_beside_s": (round(m.elapsed_s, 3) if m is not None
+                                                   and getattr(impl, "_probe", None) else None),
                              "bucket_size": wrapped.bucket_size})
     return True
 
@@ -395,7 +402,10 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
         # sync at step 126 was read at 130)
         done = getattr(args.row_steps or getattr(wrapped, "impl", None), "steps",
                        None) if period else None
-        landed = done is not None and done >= period + tau and (done - tau) % period == 0
+        # auto_wrap's DiLoCo chosen after H steps: its syncs start at the choice, then every H
+        phase = getattr(getattr(wrapped, "impl", None), "sync_phase", 0) if period else 0
+        landed = (done is not None and done >= period + tau
+                  and (done - tau - phase) % period == 0)
         if _snapshot_due(i, args.steps, every, args.depth_steps) or landed:
             # The weights (local, no collective), the clock paused; evaluated after the run.
             # A row whose syncs overlap inner steps: the anchor, also when each sync lands.
@@ -404,7 +414,7 @@ def run_one(name: str, args, train, evalset, harness, counter: AllReduceCounter,
                               else _snapshot(model)))
             paused += time.perf_counter() - p
         if target is None and i >= args.steps:
-            more = bool(period) and i % period != 0 and i < args.max_steps
+            more = bool(period) and (i - phase) % period != 0 and i < args.max_steps
             if name == "async":
                 # The window must hold averaging rounds: all ranks agree to go on or stop.
                 p = time.perf_counter()

@@ -1,9 +1,10 @@
 """with_bagua(model, [opt], "auto") times the first steps, then chooses (tuning/timed_choice.py).
 
-The network is the one the ranks would measure on a far link (the measurement is replaced: on
-loopback every rank is on one node, where nothing is deferred).  References: DiLoCo wrapped
-with the chosen H from the start, the ranks' own local training averaged by hand, and
-GradientAllReduce from that average.
+The network is the one the ranks would measure on a far link (the measurement and the node
+count are replaced: on loopback every rank is on one node, where nothing is deferred).  A CPU
+job measures beside the timed steps, on a thread; a GPU job (here: the path forced) at the
+wrap.  References: DiLoCo wrapped with the chosen H from the start, the ranks' own local
+training averaged by hand, and GradientAllReduce from that average.
 """
 
 from __future__ import annotations
@@ -20,12 +21,29 @@ from bagua_comm.testing import run_ranks
 pytestmark = pytest.mark.timeout(300)
 
 
-def _far_link(bandwidth=100.0, latency=50.0):
+def _far_link(bandwidth=100.0, latency=50.0, seconds=0.0):
+    """Every rank on a node of its own, ``bandwidth`` and ``latency`` measured in
+    ``seconds`` (a list: each rank's)."""
+    import time
+
     import bagua_algos.tuning.recommend as rec
 
     world = bc.get_world_size()
-    rec._measure = lambda group, time_limit_s, device, agree: (NetworkMeasurement(
-        bandwidth, latency, world, world, 0.0), agree)
+    wait = seconds[bc.get_rank()] if isinstance(seconds, list) else seconds
+
+    def measure(group, time_limit_s, device, agree):
+        time.sleep(wait)
+        return NetworkMeasurement(bandwidth, latency, world, world, wait), agree
+
+    rec._measure = measure
+    rec._nodes = lambda group: (group.size, 1)
+
+
+def _at_the_wrap():
+    """The GPU job's path (measured at the wrap), forced on a CPU job."""
+    import bagua_algos.tuning.timed_choice as tc
+
+    tc.DIRECT_MAX_RANKS = 0
 
 
 def _step(model, opt, i):
@@ -34,8 +52,10 @@ def _step(model, opt, i):
     opt.step()
 
 
-def _timed_then_diloco():
+def _timed_then_diloco(where):
     _far_link()
+    if where == "at the wrap":
+        _at_the_wrap()
     model = make_model(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     m = with_bagua(model, [opt], "auto")
@@ -43,7 +63,10 @@ def _timed_then_diloco():
     for i in range(4):
         _step(m, opt, i)
     before = params(model)                 # 4 local steps: nothing sent yet
-    _step(m, opt, 4)
+    i = 4
+    while m.impl.choice is None:           # the 5th, or a step or two later beside a probe
+        _step(m, opt, i)
+        i += 1
     name, kwargs = m.impl.choice
     h, tau = m.impl.H, m.impl.tau
     steps = h + tau + 3                    # one sync landed, then inner steps after it
@@ -58,14 +81,19 @@ def _timed_then_diloco():
     for i in range(steps):
         _step(r, ref_opt, i)
     return {"kind": kind, "name": name, "kwargs": repr(kwargs), "h": h, "tau": tau,
+            "at": m.impl.chosen_at, "beside": m.impl._probe is not None,
             "compute": m.impl.compute_s, "before": before, "got": got, "ref": params(ref),
             "syncs": m.impl.outer_steps[0], "same": all(
                 torch.equal(a, b) for a, b in zip(got, params(ref)))}
 
 
-def test_a_slow_link_trains_locally_while_timing_then_goes_on_as_diloco():
-    a, b = run_ranks(_timed_then_diloco, 2, timeout=240)
+@pytest.mark.parametrize("where", ["beside the steps", "at the wrap"])
+def test_a_slow_link_trains_locally_while_timing_then_goes_on_as_diloco(where):
+    a, b = run_ranks(_timed_then_diloco, 2, args=(where,), timeout=240)
     assert a["kind"] == b["kind"] == "TimedChoice"
+    assert a["beside"] == b["beside"] == (where == "beside the steps")
+    # every rank chose at the same step, the 5th where measured at the wrap
+    assert a["at"] == b["at"] and (a["at"] == 5 if where == "at the wrap" else 5 <= a["at"] < a["h"])
     # every rank agreed on one step time, so on one choice
     assert a["compute"] == b["compute"] > 0
     assert (a["name"], a["kwargs"], a["h"]) == (b["name"], b["kwargs"], b["h"])
@@ -94,12 +122,14 @@ def _timed_then_per_step():
     m = with_bagua(model, [opt], "auto")
     local = make_model(0)
     local_opt = torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9)
-    for i in range(5):
+    i = 0
+    while m.impl.choice is None:           # the 5th step, or one or two later
         _step(m, opt, i)
         _step(local, local_opt, i)
-    averaged = params(model)
+        i += 1
+    averaged, at = params(model), i
     kind = type(m.algorithm).__name__
-    for i in range(5, 9):
+    for i in range(at, at + 4):
         _step(m, opt, i)
     # the reference: GradientAllReduce from the average, with rank 0's optimizer state
     ref = make_model(0)
@@ -109,7 +139,7 @@ def _timed_then_per_step():
             p.copy_(q)
     ref_opt.load_state_dict(local_opt.state_dict())
     r = with_bagua(ref, [ref_opt], GradientAllReduce())
-    for i in range(5, 9):
+    for i in range(at, at + 4):
         _step(r, ref_opt, i)
     return {"local": params(local), "averaged": averaged, "kind": kind,
             "after": type(m.algorithm).__name__, "got": params(model), "ref": params(ref),
@@ -128,12 +158,87 @@ def test_a_per_step_choice_averages_the_timed_steps_and_switches_in_place():
     assert all(torch.equal(x, y) for x, y in zip(a["got"], b["got"]))
 
 
+def _slow_measurement():
+    """The measurement beside the steps outlasts many of them, and one rank's by far: every
+    rank chooses at one step, after both measured; the chosen H = 4 is shorter than the
+    local training so far, so the first sync starts at the choice, the next H steps later."""
+    import bagua_algos.tuning.timed_choice as tc
+
+    _far_link(seconds=[0.2, 1.0])
+    world = bc.get_world_size()
+    tc.choose = lambda *args, **kw: ("diloco", diloco_kwargs(4, 0, False, world), "the test's",
+                                     {})
+    model = make_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    m = with_bagua(model, [opt], "auto")
+    i = 0
+    while m.impl.choice is None and i < 100_000:
+        _step(m, opt, i)
+        i += 1
+    at, syncs = m.impl.chosen_at, [m.impl.outer_steps[0]]
+    synced = [params(model)]
+    for _ in range(4):
+        _step(m, opt, i)
+        i += 1
+        syncs.append(m.impl.outer_steps[0])
+        synced.append(params(model))
+    return {"at": at, "steps": i, "syncs": syncs, "measured_at": m.impl._measured_at,
+            "synced": synced}
+
+
+def test_a_measurement_beside_the_steps_is_waited_for_at_one_agreed_step():
+    a, b = run_ranks(_slow_measurement, 2, timeout=240)
+    # one step for both: after each rank's end of measurement (the slow rank's ~1 s)
+    assert a["at"] == b["at"] >= max(a["measured_at"], b["measured_at"]) + 3 > 8
+    assert a["steps"] == b["steps"]
+    # the first sync at the choice (its steps were a period already), then every 4
+    assert a["syncs"] == b["syncs"] == [1, 1, 1, 1, 2]
+    for k in (0, 4):                       # just synced: every rank holds the same model
+        assert all(torch.equal(x, y) for x, y in zip(a["synced"][k], b["synced"][k]))
+    assert any(not torch.equal(x, y) for x, y in zip(a["synced"][2], b["synced"][2]))
+
+
+def _fast_link(measured):
+    """The exact allreduce's communication negligible: still timed on a CPU job (the
+    measurement is made beside the steps), then the exact allreduce.  ``measured``: the
+    real measurement of loopback, its probes sent from the measuring thread while the
+    training thread steps."""
+    if measured:
+        import bagua_algos.tuning.recommend as rec
+
+        rec._nodes = lambda group: (group.size, 1)
+    else:
+        _far_link(bandwidth=10_000.0, latency=0.1)
+    model = make_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    m = with_bagua(model, [opt], "auto")
+    kind = type(m.algorithm).__name__
+    i = 0
+    while m.impl.choice is None and i < 100_000:
+        _step(m, opt, i)
+        i += 1
+    measurement = m.impl.measurement
+    for j in range(i, i + 3):
+        _step(m, opt, j)
+    return (kind, type(m.algorithm).__name__, m.impl.__class__.__name__,
+            measurement.bandwidth_mbit, params(model))
+
+
+@pytest.mark.parametrize("measured", [False, True], ids=["given", "loopback measured"])
+def test_a_fast_link_is_timed_beside_the_measurement_then_allreduces_exactly(measured):
+    a, b = run_ranks(_fast_link, 2, args=(measured,), timeout=200)
+    assert a[:3] == b[:3] == ("TimedChoice", "GradientAllReduce", "GradientAllReduceImpl")
+    assert a[3] == b[3] > 1000                  # the same numbers on every rank
+    assert all(torch.equal(x, y) for x, y in zip(a[4], b[4]))
+
+
 def _one_node_or_no_optimizer(case):
     if case == "far, no optimizer":
         _far_link()
         m = with_bagua(make_model(0), [], "auto")
-    elif case == "fast":               # the exact allreduce's communication negligible
+    elif case == "fast, at the wrap":  # the exact allreduce's communication negligible
         _far_link(bandwidth=10_000.0, latency=0.1)
+        _at_the_wrap()
         model = make_model(0)
         m = with_bagua(model, [torch.optim.SGD(model.parameters(), lr=0.1)], "auto")
     else:                              # loopback, measured: one node
@@ -142,7 +247,7 @@ def _one_node_or_no_optimizer(case):
     return type(m.algorithm).__name__
 
 
-@pytest.mark.parametrize("case", ["far, no optimizer", "fast", "one node"])
+@pytest.mark.parametrize("case", ["far, no optimizer", "fast, at the wrap", "one node"])
 def test_nothing_is_timed_where_diloco_has_no_chance(case):
     a, b = run_ranks(_one_node_or_no_optimizer, 2, args=(case,), timeout=200)
     assert a == b != "TimedChoice"

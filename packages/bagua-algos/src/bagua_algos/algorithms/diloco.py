@@ -302,8 +302,12 @@ class DiLoCoImpl(AlgorithmImpl):
             for p in sorted(f for f, s in self.pending.items() if s.apply_at <= t):
                 self.apply(p)
             for p in range(self.P):
-                if t % self.H == sync_offset(p, self.P, self.H):
+                if self.sync_due(p, t):
                     self.start(p, t)
+
+    def sync_due(self, fragment: int, t: int) -> bool:
+        """Whether ``fragment``'s sync starts after inner step ``t``."""
+        return t % self.H == sync_offset(fragment, self.P, self.H)
 
     def start(self, fragment: int, t: int) -> None:
         x = self.gather(fragment)

@@ -369,6 +369,15 @@ def _job_device(device) -> torch.device:
     return device
 
 
+def _nodes(group) -> tuple[int, int]:
+    """(nodes, stride): the group's nodes (``LOCAL_WORLD_SIZE`` processes each, where that
+    divides the group) and the rank distance to the same local rank on the next node."""
+    local = max(1, bc.get_local_size())
+    local = local if group.size % local == 0 else 1
+    nodes = max(1, group.size // local)
+    return nodes, local if nodes > 1 else 1
+
+
 def measure_network(group=None, *, time_limit_s: float = 3.0,
                     device: torch.device | str | None = None) -> NetworkMeasurement:
     """Bandwidth and latency (one tiny exchange) between ranks on different nodes (collective).
@@ -389,9 +398,7 @@ def _measure(group, time_limit_s, device, agree: list[float]):
     device = _job_device(device)
     group = bc.get_default_group() if group is None else group
     rank, world = group.rank, group.size
-    local = max(1, bc.get_local_size()) if world % max(1, bc.get_local_size()) == 0 else 1
-    nodes = max(1, world // local)
-    stride = local if nodes > 1 else 1
+    nodes, stride = _nodes(group)
     dst, src = (rank + stride) % world, (rank - stride) % world
     t0 = time.monotonic()
     if world == 1:
