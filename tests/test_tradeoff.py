@@ -161,3 +161,18 @@ def test_the_rules_diloco_pick_is_scored_by_its_outer_momentum_row():
     # neither 4-bit row: the plain DiLoCo row
     [cell] = build_map({**report, "runs": [*rows[:3], _run(10, 50, "bytegrad", 10.0, compute)]})
     assert cell["auto"] == "diloco" and cell["auto_vs_best"] == pytest.approx(20.0 / 10.0)
+
+
+def test_with_bagua_auto_is_scored_against_the_best_row_not_among_them():
+    """The ``auto_wrap`` row (with_bagua(..., "auto") as written) is the choice, as ``auto``
+    is: never the winner, its time over the best contender's in ``auto_wrap_vs_best``."""
+    rows = [_run(100, 50, a, t) for a, t in (
+        ("ddp", 90.0), ("alone", None), ("diloco_u4_m05_hide", 10.0), ("auto", 11.0),
+        ("auto_wrap", 9.5))]
+    [cell] = build_map({"model": {"params": 1_000_000}, "config": {}, "runs": rows})
+    assert cell["winner"] == "diloco_u4_m05_hide" and cell["margin"] == pytest.approx(9.0)
+    assert cell["auto_vs_best"] == pytest.approx(1.1)
+    assert cell["auto_wrap_vs_best"] == pytest.approx(0.95)
+    # a cell without the row: no score
+    [cell] = build_map({"model": {"params": 1_000_000}, "config": {}, "runs": rows[:4]})
+    assert cell["auto_wrap_vs_best"] is None

@@ -26,6 +26,7 @@ import _results
 
 # isort: split
 from _e2e_report import cell, cell_label, cells
+from _e2e_rows import AUTO_WRAP
 
 #: The default grid.  The fastest column is 300 Mbit/s, not 1 Gbit/s: the user-space delay line
 #: carries ~0.6 Gbit/s in all on 2 cores and fell behind in every 1 Gbit/s cell with latency
@@ -103,14 +104,18 @@ def build_map(report: dict, exclude=()) -> list[dict]:
         times = {r["algorithm"]: ((r.get("time_to_target_s") or {}).get(headline) if headline
                                   else r.get("time_to_ddp_loss_s")) for r in runs}
         ddp_steps = next((r.get("steps") for r in runs if r["algorithm"] == "ddp"), None)
-        # the "auto" row (with_bagua(..., "auto") run as is) is the choice, not a contender
-        reached = sorted((t, a) for a, t in times.items() if t is not None and a != "auto")
+        # the automatic rows are the choice, not contenders: "auto" (recommend told the
+        # step's compute and the run's length) and "auto_wrap" (with_bagua(..., "auto"))
+        reached = sorted((t, a) for a, t in times.items()
+                         if t is not None and a not in ("auto", AUTO_WRAP))
         ddp = next((r for r in runs if r["algorithm"] == "ddp" and r["status"] == "ok"), None)
         entry = {"bandwidth_mbit": c[0], "latency_ms": c[1], "label": cell_label(c),
                  "target": headline or "DDP's loss after N steps",
                  "efficiency": {r["algorithm"]: r.get("efficiency") for r in runs},
                  "times_s": times, "winner": None, "margin": None, "winner_x_ddp_time": None,
                  "auto": None, "auto_vs_best": None,
+                 # with_bagua(..., "auto") as written: its time / the best row's
+                 "auto_wrap_vs_best": None,
                  # the floor (every rank alone, no communication): its time / the winner's
                  # (None: it never reached the target; < 1 would mean not talking wins)
                  "alone_vs_best": None,
@@ -133,6 +138,8 @@ def build_map(report: dict, exclude=()) -> list[dict]:
             if entry["auto"] in exclude:
                 entry["auto"], t = None, None    # a map without the rule's pick: no score
             entry["auto_vs_best"] = t / reached[0][0] if t and reached else None
+        if times.get(AUTO_WRAP) and reached:
+            entry["auto_wrap_vs_best"] = times[AUTO_WRAP] / reached[0][0]
         out.append(entry)
     return out
 
@@ -165,6 +172,8 @@ def heatmap(entries: list[dict], path: Path, title: str = "") -> Path | None:
         if e["auto"]:
             vs = e["auto_vs_best"]
             text += f"\nauto: {e['auto']}" + (f" ({vs:.2f}x best)" if vs else " (never)")
+        if e.get("auto_wrap_vs_best"):
+            text += f"\nwith_bagua auto: {e['auto_wrap_vs_best']:.2f}x best"
         if "alone" in e["times_s"]:
             vs = e.get("alone_vs_best")
             text += "\nalone: " + (f"{vs:.2f}x best" if vs else "never")
@@ -233,7 +242,8 @@ def main(argv=None) -> int:
             return "-" if v is None else f"{v:.2f}x"
 
         print(f"{e['label']:>20} ({e['target']}): winner {e['winner']} (margin "
-              f"{x(e['margin'])}), auto {e['auto']} ({x(e['auto_vs_best'])} best), alone "
+              f"{x(e['margin'])}), auto {e['auto']} ({x(e['auto_vs_best'])} best), "
+              f"with_bagua auto {x(e.get('auto_wrap_vs_best'))} best, alone "
               + (f"{x(e['alone_vs_best'])} best" if e["alone_vs_best"] else "never got there"))
     print(f"json: {args.json}; plot: {png}")
     _results.record_from_args(args, "benchmarks/e2e/tradeoff.py",
@@ -246,7 +256,8 @@ def figures(report: dict, entries: list[dict]) -> dict:
     per cell its winner, margin, the automatic choice and how far it is from the best, the
     floor's time against the winner, every row's time and efficiency (ratios are times:
     < 1 is sooner)."""
-    keep = ("target", "winner", "margin", "auto", "auto_vs_best", "alone_vs_best", "times_s",
+    keep = ("target", "winner", "margin", "auto", "auto_vs_best", "auto_wrap_vs_best",
+            "alone_vs_best", "times_s",
             "efficiency", "steps_factor")
     return _results.rounded({"headline": report.get("headline"),
                              "cells": {e["label"]: {k: e.get(k) for k in keep}
