@@ -378,6 +378,36 @@ def _nodes(group) -> tuple[int, int]:
     return nodes, local if nodes > 1 else 1
 
 
+def _tiny_rounds(group, dst: int, src: int, device) -> list[float]:
+    """Two timed tiny ring-shift exchanges (after one that brings the connections up and pays
+    first-use costs): each costs a round trip, 0.1 s apiece at 50 ms one way."""
+    tiny, tiny_out = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    _shift(tiny, tiny_out, dst, src, group)
+    _settle(device)
+    rounds = []
+    for _ in range(2):
+        t = time.monotonic()
+        _shift(tiny, tiny_out, dst, src, group)
+        _settle(device)
+        rounds.append(time.monotonic() - t)
+    return rounds
+
+
+def far_apart(group) -> bool:
+    """Whether the group's nodes are so far apart that the exact allreduce's latency alone
+    (2(n - 1) tiny exchanges) costs :data:`NEGLIGIBLE_S` or more a step (collective: the
+    slowest rank's faster tiny exchange decides, one round to agree; a few ms on a LAN, about
+    0.35 s at 50 ms one way)."""
+    nodes, stride = _nodes(group)
+    if nodes < 2:
+        return False
+    rank, world = group.rank, group.size
+    rounds = _tiny_rounds(group, (rank + stride) % world, (rank - stride) % world,
+                          torch.device("cpu"))
+    (exchange,) = _max([min(rounds)], group)
+    return 2 * (nodes - 1) * exchange >= NEGLIGIBLE_S
+
+
 def measure_network(group=None, *, time_limit_s: float = 3.0,
                     device: torch.device | str | None = None) -> NetworkMeasurement:
     """Bandwidth and latency (one tiny exchange) between ranks on different nodes (collective).
@@ -405,15 +435,7 @@ def _measure(group, time_limit_s, device, agree: list[float]):
         return NetworkMeasurement(float("inf"), 0.0, 1, 1, 0.0, device=str(device)), agree
     ssai = _slow_start_after_idle()
     restarts = _restarts_after_idle(ssai)
-    tiny, tiny_out = torch.zeros(1, device=device), torch.zeros(1, device=device)
-    _shift(tiny, tiny_out, dst, src, group)    # connections up, first-use costs paid
-    _settle(device)
-    rounds = []
-    for _ in range(2):      # each costs a round trip: 0.1 s apiece at 50 ms one way
-        t = time.monotonic()
-        _shift(tiny, tiny_out, dst, src, group)
-        _settle(device)
-        rounds.append(time.monotonic() - t)
+    rounds = _tiny_rounds(group, dst, src, device)
     # Every rank encodes at once, as in training: processes sharing cores pay for it here.
     codec = _codec_seconds(device=device)
     probes, size, first = [], 64 * 1024, True

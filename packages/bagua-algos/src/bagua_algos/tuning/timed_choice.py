@@ -5,12 +5,15 @@ steps) only against a known computation time, which ``with_bagua(..., "auto")`` 
 So where the network measurement leaves DiLoCo a chance (ranks on several nodes, the exact
 allreduce's communication not negligible), the wrapped model starts as DiLoCo's inner steps
 (nothing is communicated) for at least :data:`TIMED_STEPS` optimizer steps and times them.
-On a CPU (gloo) job the network is measured meanwhile, on a thread of its own (its
-exchanges are point-to-point, which the local steps leave the group free for), so the
+On a CPU (gloo) job whose nodes are far apart (two tiny exchanges say the exact allreduce's
+latency alone is not negligible) the network is measured meanwhile, on a thread of its own
+(its exchanges are point-to-point, which the local steps leave the group free for), so the
 measurement costs the run no time: the choice is made at the first step, :data:`TIMED_STEPS`
 at least, that every rank knows comes after every rank's measurement ended (one small
-collective agrees on it).  A GPU job measures at the wrap, as :func:`recommend` does (its
-probes' timings wait for the device, which the training keeps busy).  At the choice every
+collective agrees on it).  Elsewhere the network is measured at the wrap, as
+:func:`recommend` does (a near network in a fraction of a second, where the exact allreduce
+may win from the first step; a GPU job's probes wait for the device, which training keeps
+busy).  At the choice every
 rank agrees on the slowest rank's median step time (one small collective) and applies the
 rule (:func:`~bagua_algos.tuning.recommend.choose`) to the network and that time:
 
@@ -220,10 +223,11 @@ def resolve_algorithm(spec: str, model, group=None, *, optimizers=None,
     """``with_bagua(model, opts, "auto")``: :func:`recommend`'s answer (collective).
     ``BAGUA_ALGORITHM`` overrules it; an explicit Algorithm never reaches here.  With
     ``optimizers`` given, ranks on several nodes and a model DiLoCo can run, the answer is a
-    :class:`~bagua_algos.tuning.timed_choice.TimedChoice`: the first steps are timed and then
-    the rule chooses, told their computation time.  A CPU (gloo) job measures the network
-    beside those steps; a GPU job measures it here first, and times the steps only where the
-    measurement leaves DiLoCo a chance (the exact allreduce's communication not negligible)."""
+    :class:`~bagua_algos.tuning.timed_choice.TimedChoice` where the network leaves DiLoCo a
+    chance (the exact allreduce's communication not negligible): the first steps are timed
+    and then the rule chooses, told their computation time.  A CPU (gloo) job whose nodes are
+    far apart (:func:`~bagua_algos.tuning.recommend.far_apart`) measures the network beside
+    those steps; otherwise it is measured here first."""
     if spec != "auto":
         raise ValueError(f"algorithm as a string must be 'auto', got {spec!r}")
     if not bc.is_initialized() and torch.distributed.is_initialized():
@@ -236,8 +240,10 @@ def resolve_algorithm(spec: str, model, group=None, *, optimizers=None,
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     forced = os.environ.get("BAGUA_ALGORITHM", "").strip() not in ("", "auto")
     if (optimizers is not None and nodes >= 2 and device.type == "cpu" and not forced
-            and g.backend == "gloo" and g.size <= DIRECT_MAX_RANKS):
-        # the probes' exchanges are point-to-point on the group, where direct_small's are
+            and g.backend == "gloo" and g.size <= DIRECT_MAX_RANKS and _rec.far_apart(g)):
+        # the probes' exchanges are point-to-point on the group, where direct_small's are;
+        # on a near network the measurement is quick and may keep the exact allreduce
+        # from the first step: it is made here
         timed = _timed(TimedChoice((nodes, g.size), _model_bytes(model),
                                    bucket_given=bucket_given), model, optimizers, "diloco")
         if timed is not None:
