@@ -67,8 +67,8 @@ def _timed_then_diloco(where):
     name, kwargs = m.impl.choice
     h, tau = m.impl.H, m.impl.tau
     steps = h + tau + 3                    # one sync landed, then inner steps after it
-    for i in range(i, steps):
-        _step(m, opt, i)
+    for j in range(i, steps):
+        _step(m, opt, j)
     got = params(model)
 
     ref = make_model(0)
