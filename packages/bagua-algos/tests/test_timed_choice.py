@@ -263,3 +263,29 @@ def test_loopback_is_not_far_apart():
     """Two tiny exchanges on loopback take well under the 5 ms a rank pair would need for
     the exact allreduce's latency to matter: measured at the wrap."""
     assert run_ranks(_near, 2, timeout=120) == [False, False]
+
+
+def _rewrapped_while_measuring():
+    """A re-wrap during the measurement beside the steps: the measurement ends first (its
+    exchanges and the re-wrap's share the group), then the new algorithm runs."""
+    _far_link(seconds=[0.3, 0.6])
+    model = make_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    m = with_bagua(model, [opt], "auto")
+    for i in range(2):
+        _step(m, opt, i)
+    timed = m.impl
+    alive = timed._probe.is_alive()
+    m = with_bagua(m, [opt], GradientAllReduce())
+    after = timed._probe.is_alive()           # the re-wrap's exchanges came after it
+    for i in range(2, 5):
+        _step(m, opt, i)
+    return alive, after, timed.measurement is not None, type(m.algorithm).__name__, \
+        params(model)
+
+
+def test_a_rewrap_while_measuring_waits_for_the_measurement():
+    a, b = run_ranks(_rewrapped_while_measuring, 2, timeout=120)
+    assert a[:3] == b[:3] == (True, False, True)   # measuring at the re-wrap, done after it
+    assert a[3] == b[3] == "GradientAllReduce"
+    assert all(torch.equal(x, y) for x, y in zip(a[4], b[4]))

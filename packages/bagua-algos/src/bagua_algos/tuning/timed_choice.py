@@ -131,6 +131,13 @@ class TimedChoiceImpl(DiLoCoImpl):
     def sync_due(self, fragment: int, t: int) -> bool:
         return super().sync_due(fragment, t - self.sync_phase)
 
+    def shutdown(self) -> None:
+        # a measurement still running sends on the group: it ends before the group's next
+        # user (a re-wrap), every rank's alike (each rank's thread exchanges with the others)
+        if self._probe is not None:
+            self._probe.join()
+        super().shutdown()
+
     def _start_probe(self) -> None:
         """Measure the network on a thread of its own while the training thread takes
         local steps (which communicate nothing), then agree with every rank on the step of
