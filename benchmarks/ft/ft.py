@@ -215,7 +215,7 @@ def scenario(hosts: Hosts, system: str, lighthouse: str, out: Path, args) -> dic
     shutil.rmtree(out, ignore_errors=True)      # an old run's stop/ready files would end this one
     out.mkdir(parents=True, exist_ok=True)
     worker = OURS if system == "bagua" else PEER
-    extra = (["--algo", args.algo, "--samples", "4096"] if system == "bagua" else [])
+    extra = (["--algo", args.algo, "--samples", str(args.samples)] if system == "bagua" else [])
     extra += ["--timeout", str(args.timeout)]
     # --fault sync: the lost host kills itself in the first step after --kill-after in which
     # LocalSGD/DiLoCo (sync_every=2) sync: the survivors are in that exchange
@@ -401,6 +401,9 @@ def main(argv=None) -> int:
     ap.add_argument("--step-sleep", type=float, default=0.02)
     ap.add_argument("--mbit", type=float, default=1000.0,
                     help="each emulated host's link, Mbit/s (0: unshaped); testbed only")
+    ap.add_argument("--samples", type=int, default=4096,
+                    help="the dataset's size: after a membership change the survivors deal "
+                         "its unseen samples anew (torchft's peer has no sampler)")
     ap.add_argument("--algo", default="bytegrad", choices=ALGOS,
                     help="bagua's algorithm (the peer is torchft's DDP)")
     ap.add_argument("--fault", choices=("kill", "link", "heal-fail", "sync", "join", "mid-heal"),
@@ -465,6 +468,7 @@ def main(argv=None) -> int:
     result["timeout_s"] = args.timeout
     result["loadavg"] = [load, Path("/proc/loadavg").read_text().split()[0]]
     result["algo"] = args.algo
+    result["samples"] = args.samples
     result["heartbeat_timeout_ms"] = {"bagua": args.heartbeat_ms, "peer": args.heartbeat_ms}
     fails = []
     # the same Lighthouse settings for both: our stall must not exceed the peer's (0.1 s of

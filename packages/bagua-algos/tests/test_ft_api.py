@@ -413,6 +413,31 @@ def _agree_with_secret(secrets_by_rank):
     return got, agree(group, step, True, old_rank, config, state), any(plain in b for b in sent)
 
 
+def _agree_shared(shared_by_rank, old_ranks, own_ranks):
+    import bagua_comm as bc
+    from bagua_algos.ft._source import agree
+
+    r = bc.get_default_group().rank
+    got = agree(bc.get_default_group(), 7, True, old_ranks[r], b"c" * 16, b"s" * 16,
+                secret=SECRET, shared=shared_by_rank[r], own_rank=own_ranks[r])
+    return got.same_shared, got.own_ranks
+
+
+def test_the_source_state_is_not_broadcast_only_where_every_survivor_holds_it():
+    """The rebuild skips the broadcast of the source's algorithm state only where every
+    member was in the group before and their digests of what it would send are equal; the
+    rank each member's state was saved at travels with the agreement (the source's is loaded
+    in its place)."""
+    from bagua_comm.testing import run_ranks
+
+    same, other, unknown = b"v" * 16, b"w" * 16, b""
+    assert run_ranks(_agree_shared, 2, args=([same, same], [0, 2], [0, 2])) == [
+        (True, (0, 2))] * 2
+    assert run_ranks(_agree_shared, 2, args=([same, other], [0, 1], [0, 1]))[0][0] is False
+    assert run_ranks(_agree_shared, 2, args=([same, same], [0, -1], [0, 1]))[0][0] is False
+    assert run_ranks(_agree_shared, 2, args=([unknown, unknown], [0, 1], [0, 1]))[0][0] is False
+
+
 def test_the_agreement_goes_with_the_secrets_proof_and_is_unreadable_without_it():
     """agree(secret=) authenticates the group and agrees in the same two rounds: the same
     Agreement as without the secret, the values never on the wire in the clear (a member
@@ -423,7 +448,7 @@ def test_the_agreement_goes_with_the_secrets_proof_and_is_unreadable_without_it(
     for with_secret, without, in_clear in out:
         assert with_secret == without, (with_secret, without)
         # rank 1 is at the highest step; states differ, configurations match
-        assert tuple(with_secret) == (1, False, [1, 0], True, False)
+        assert tuple(with_secret) == (1, False, [1, 0], True, False, False, (-1, -1))
         assert not in_clear
     bad = run_ranks(_agree_with_secret, 2, args=([SECRET, b"a-stranger-guessing-0000"],))
     assert "peer rank(s) [1]" in bad[0] and "did not prove" in bad[0], bad
@@ -535,3 +560,90 @@ def test_local_steps_lost_with_their_replicas_are_dealt_again(n, batch, sync_eve
     counts = collections.Counter(kept)
     assert sorted(counts) == list(range(n)), sorted(set(range(n)) - set(counts))
     assert set(counts.values()) == {1}, {k: v for k, v in counts.items() if v > 1}
+
+
+@pytest.mark.parametrize("n, batch, prepared", [(97, 4, 2), (96, 5, 2), (97, 4, 3), (50, 3, 1)])
+def test_a_re_deal_computed_ahead_is_the_re_deal(n, batch, prepared):
+    """After a failed step the survivors compute the re-deal over one replica less on a
+    thread while the Lighthouse waits for the lost one (``prepare``); ``rebind`` takes it
+    where the size and the position match: every batch is then the one a re-deal made at
+    the rebind gives, on every rank, and a guess of the wrong size changes nothing either.
+    The first-appearance mask (one scatter, no sort) is the one ``torch.unique`` gives."""
+    pytest.importorskip("bagua_data")
+    from bagua_algos.ft import CommittedBatches
+    from bagua_data import LoadBalancingDistributedSampler
+
+    data = torch.utils.data.TensorDataset(torch.arange(n))
+    complexity = [float(i % 7) for i in range(n)]
+
+    def replica(world, rank):
+        s = LoadBalancingDistributedSampler(data, complexity, num_replicas=world, rank=rank,
+                                            seed=3)
+        return CommittedBatches(data, s, batch)
+
+    def epoch(group):
+        out = []
+        while group[0].rows < group[0]._table().shape[0]:
+            out.append([b.next()[0].tolist() for b in group])
+            for b in group:
+                b.commit()
+        return out
+
+    plain, ahead = [replica(3, r) for r in range(3)], [replica(3, r) for r in range(3)]
+    for group in (plain, ahead):
+        for _ in range(3):
+            for b in group:
+                b.next()
+                b.commit()
+        group[1].next()                 # a step voted down: its samples go back
+        group[1].rollback()
+    boxes = []
+    for b in ahead[:2]:
+        b.prepare(prepared)
+        boxes.append(b._ahead[1])
+    state = plain[0].state_dict()
+    assert state == ahead[0].state_dict()
+    for r in range(2):
+        plain[r].rebind(2, r, state)
+        ahead[r].rebind(2, r, state)
+        assert ahead[r]._ahead is None
+    for r, box in enumerate(boxes):      # taken where the guess was right, else not
+        assert (ahead[r].sampler is box["result"][2]) == (prepared == 2), (r, box)
+        assert (ahead[r].sampler.num_replicas, ahead[r].sampler.rank) == (2, r)
+    assert epoch(ahead[:2]) == epoch(plain[:2])
+
+    # the mask against torch.unique's first appearances
+    table = ahead[0]._table()
+    flat = table.reshape(-1)
+    _, inverse = torch.unique(flat, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), flat.numel(), dtype=torch.long)
+    first.scatter_reduce_(0, inverse, torch.arange(flat.numel()), "amin")
+    reference = torch.zeros(flat.numel(), dtype=torch.bool)
+    reference[first] = True
+    assert torch.equal(ahead[0]._fresh(table).reshape(-1), reference)
+
+
+def test_a_re_deal_computed_ahead_of_another_position_is_not_taken():
+    """The position moved after ``prepare`` (a step committed after all): ``rebind`` deals
+    anew from the position it is given, so no sample is lost or used twice."""
+    pytest.importorskip("bagua_data")
+    from bagua_algos.ft import CommittedBatches
+    from bagua_data import LoadBalancingDistributedSampler
+
+    data = torch.utils.data.TensorDataset(torch.arange(97))
+    s = LoadBalancingDistributedSampler(data, [float(i % 7) for i in range(97)],
+                                        num_replicas=3, rank=0, seed=3)
+    b = CommittedBatches(data, s, 4)
+    b.next()
+    b.commit()
+    b.prepare(2)
+    box = b._ahead[1]
+    b.next()
+    b.commit()
+    state = b.state_dict()
+    b.rebind(2, 0, state)
+    assert b.sampler is not box["result"][2]
+    fresh = CommittedBatches(data, LoadBalancingDistributedSampler(
+        data, [float(i % 7) for i in range(97)], num_replicas=2, rank=0, seed=3), 4)
+    fresh.load_state_dict(state)
+    assert b.next()[0].tolist() == fresh.next()[0].tolist()

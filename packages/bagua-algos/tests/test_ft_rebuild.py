@@ -52,6 +52,9 @@ def _rebuild(case):
     ft._wrap = {"bucket_size": None, "do_flatten": True}
     ft.manager, ft._pg = _Manager(), _Pg()
     ft._pg.members = (group.rank, group.size)
+    ft._pending_view = b""
+    if case == "survivors":     # replicas of the group before: each holds its wrapped model
+        ft.model = ba.with_bagua(module, [opt], ft.algorithm, group=group)
     rep.bagua_group = lambda pg: group           # the quorum's group: run_ranks's own
     names = ("broadcast", "broadcast_object", "allgather", "allreduce_inplace",
              "batch_isend_irecv")
@@ -101,7 +104,7 @@ def test_replicas_proven_equal_move_no_parameters_or_optimizer_state(world):
     state, and skips with_bagua's configuration check (compared by digest): one broadcast
     remains, the algorithm's shared state from the source, its size in the same buffer.
     The secret's proof and the agreement take two rounds, each rank sending straight to
-    every peer: its 32-byte nonce, then its 32-byte tag with its 7 agreed int64 values.
+    every peer: its 32-byte nonce, then its 32-byte tag with its 10 agreed int64 values.
     The old rebuild made 3 ring allgathers (n - 1 rounds each) and broadcast the state's
     size and its pickle apart."""
     from bagua_algos._engine.small import INLINE_BYTES
@@ -116,7 +119,24 @@ def test_replicas_proven_equal_move_no_parameters_or_optimizer_state(world):
         assert counts["allreduce_inplace"] == 0, counts
         assert counts["allgather"] == 0, counts
         assert counts["batch_isend_irecv"] == 2, counts
-        assert counts["sent"] == [[(p, 32) for p in peers], [(p, 32 + 7 * 8) for p in peers]]
+        assert counts["sent"] == [[(p, 32) for p in peers], [(p, 32 + 10 * 8) for p in peers]]
+        assert all(torch.equal(a, b) for a, b in zip(got_params, params))
+        assert all(torch.equal(got_moments[k], moments[k]) for k in moments)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_survivors_holding_the_same_algorithm_state_broadcast_nothing(world):
+    """Every member was in the group before and holds the same algorithm state and position
+    (a digest of them goes with the agreement): the source's is not broadcast either, so
+    the rebuild's only exchanges are the two rounds of the secret's proof and agreement."""
+    from bagua_comm.testing import run_ranks
+
+    params, moments = _reference()
+    for counts, got_params, got_moments in run_ranks(_rebuild, world, args=("survivors",)):
+        assert counts["cast"] == [], counts
+        assert counts["batch_isend_irecv"] == 2, counts
+        assert sum(counts[k] for k in ("broadcast_object", "allreduce_inplace",
+                                       "allgather")) == 0, counts
         assert all(torch.equal(a, b) for a, b in zip(got_params, params))
         assert all(torch.equal(got_moments[k], moments[k]) for k in moments)
 

@@ -175,3 +175,18 @@ def test_batch_sampler_resumes_at_another_world_size(old, new, k, drop_last):
     mid, s2 = run_batches(new, 3, 2, state, drop_last=drop_last)
     tail, _ = run_batches(new, None, 2, s2, drop_last=drop_last)
     assert [m + t for m, t in zip(mid, tail)] == rest
+
+
+@pytest.mark.parametrize("n, extra", [(1, 0), (7, 3), (100, 40), (4096, 1500)])
+def test_unseen_of_is_the_python_reference(n, extra):
+    """The tensor re-deal's pool (one scatter over the index space, no sort) is
+    ``_resume.unseen``'s: the unconsumed indices, each once, in first-seen order."""
+    from bagua_data._resume import unseen, unseen_of
+
+    g = torch.Generator().manual_seed(n)
+    for _ in range(3):
+        rest = torch.randint(0, n, (n + extra,), generator=g)
+        consumed = torch.rand(n, generator=g) < 0.3
+        expected = unseen(set(torch.nonzero(consumed).view(-1).tolist()), rest.tolist())
+        assert unseen_of(consumed, rest).tolist() == expected
+    assert unseen_of(torch.zeros(n, dtype=torch.bool), rest[:0]).tolist() == []

@@ -283,6 +283,14 @@ class AlgorithmImpl:
             f"none that all of them agree on: read each rank's state_dict(), or average them "
             f"(bagua_comm.allreduce_inplace with ReduceOp.AVG) at a step every rank reaches")
 
+    def foreign_view(self, state: dict):
+        """What :meth:`load_foreign_state_dict` reads of ``state``: its effect (and its note)
+        must depend on nothing else but the saving world size and rank.  A rebuild under
+        ``bagua_algos.ft`` whose replicas hold equal views (and equal everything else) loads
+        each replica's own state instead of broadcasting the source's.  The default: the
+        whole state."""
+        return state
+
     def load_foreign_state_dict(self, state: dict, *, world_size: int, rank: int) -> str | None:
         """Load ``state`` saved by ``rank`` of a job of ``world_size`` ranks, where that is
         not this rank or not this world size (elastic resume from rank 0's checkpoint).

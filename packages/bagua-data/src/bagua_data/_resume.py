@@ -34,16 +34,22 @@ def unseen(consumed: set[int], rest: Iterable[int]) -> list[int]:
     return out
 
 
+def first_seen(values: torch.Tensor, space: int) -> torch.Tensor:
+    """A mask over ``values`` (int64 in ``[0, space)``): True at each value's first
+    appearance.  One scatter over the index space and one gather, no sort: a re-deal after
+    a membership change under FaultTolerant runs this on the survivors' critical path
+    (``torch.unique`` sorted, which at a million samples cost a few hundred ms)."""
+    where = torch.arange(values.numel())
+    first = torch.full((space,), values.numel(), dtype=torch.long)
+    first.scatter_reduce_(0, values, where, "amin")
+    return first[values] == where
+
+
 def unseen_of(consumed: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
     """:func:`unseen` on tensors: the indices of ``rest`` (int64) whose entry in the mask
     ``consumed`` is False, each once, in first-seen order (no Python loop over samples)."""
     rest = rest[~consumed[rest]]
-    if rest.numel() == 0:
-        return rest
-    _, inverse = torch.unique(rest, return_inverse=True)
-    first = torch.full((int(inverse.max()) + 1,), rest.numel(), dtype=torch.long)
-    first.scatter_reduce_(0, inverse, torch.arange(rest.numel()), "amin")
-    return rest[torch.sort(first).values]
+    return rest[first_seen(rest, consumed.numel())]
 
 
 def _is_int(x: Any) -> bool:

@@ -123,6 +123,9 @@ class ByteGradImpl(AlgorithmImpl):
         self.state.allreduce.share(state["compressor"])
         return state
 
+    def foreign_view(self, state):
+        return reset_residuals_note(state)      # all that a foreign load reads
+
     def load_foreign_state_dict(self, state, *, world_size, rank):
         # Residuals are one rank's quantisation error (and their chunking follows the world
         # size): another rank's would add its error twice, so this rank's start at zero.

@@ -373,6 +373,9 @@ class QAdamImpl(AlgorithmImpl):
         self.state.compressed.share(state["compressor"])
         return state
 
+    def foreign_view(self, state):
+        return reset_residuals_note(state)      # all that a foreign load reads
+
     def load_foreign_state_dict(self, state, *, world_size, rank):
         # Moments and step_id are ordinary optimizer state (restored by torch); only the
         # compressors' chunking (one chunk per rank) and any residuals belong to the old job.

@@ -15,8 +15,23 @@ batch (``owed[rank::num_replicas]``), each exactly once.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch.utils.data import default_collate
+
+
+def _first_seen(table: torch.Tensor, sampler) -> torch.Tensor:
+    """The mask of ``table``'s entries (dataset indices) that are a sample's first
+    appearance, rows in order: one scatter over the dataset's index space and one gather
+    (``torch.unique`` sorts: a few hundred ms at a million samples, on the survivors'
+    critical path after a membership change).  bagua_algos does not import bagua_data, whose
+    sampler does the same for its own re-deals."""
+    flat = table.reshape(-1)
+    where = torch.arange(flat.numel())
+    first = torch.full((sampler.complexities.numel(),), flat.numel(), dtype=torch.long)
+    first.scatter_reduce_(0, flat, where, "amin")
+    return (first[flat] == where).view_as(table)
 
 
 class CommittedBatches:
@@ -44,6 +59,8 @@ class CommittedBatches:
         self.synced = 0                # rows of the plan whose steps every replica holds
         self.owed: list[int] = []      # samples given back (lost local steps), dealt next
         self._syncs = [0]              # rows at each fragment's last sync (``synced``: min)
+        # a re-deal computed ahead (:meth:`prepare`): (thread, result box)
+        self._ahead: tuple[threading.Thread, dict] | None = None
 
     def _table(self):
         return self.sampler.epoch_chunks()
@@ -54,12 +71,7 @@ class CommittedBatches:
         (DistributedSampler's rule), and a re-deal over another number of replicas pads
         again; a repeat is not dealt, so that no sample is used twice."""
         if self._mask is None or self._mask[0] is not table:
-            flat = table.reshape(-1)
-            _, inverse = torch.unique(flat, return_inverse=True)
-            where = torch.arange(flat.numel())
-            first = torch.full((int(inverse.max()) + 1 if flat.numel() else 0,), flat.numel(),
-                               dtype=torch.long).scatter_reduce(0, inverse, where, "amin")
-            self._mask = (table, (first[inverse] == where).view_as(table))
+            self._mask = (table, _first_seen(table, self.sampler))
         return self._mask[1]
 
     def next(self):
@@ -124,18 +136,68 @@ class CommittedBatches:
         state = dict(state)
         owed = state.pop("owed", [])
         self.sampler.load_state_dict(state)
+        self._loaded(state, owed)
+
+    def _loaded(self, state: dict, owed) -> None:
         last_world, last_rows = state["history"][-1]
         self._restart_syncs(last_rows if last_world == self.sampler.num_replicas else 0)
         self.owed = [int(i) for i in owed]
         self._taken = None
 
+    def _sampler_for(self, num_replicas: int, rank: int, old=None):
+        old = old or self.sampler
+        return type(old)(old.dataset, old.complexities, num_replicas=num_replicas, rank=rank,
+                         shuffle=old.shuffle, seed=old.seed, drop_last=old.drop_last,
+                         random_level=old.random_level)
+
+    def prepare(self, num_replicas: int) -> None:
+        """Start computing, on a thread, the re-deal of the committed position over
+        ``num_replicas`` ranks: after a step a peer failed in, the survivors wait for the
+        Lighthouse to drop it (the heartbeat timeout, a second by default), and the next
+        quorum is most likely this one less that peer.  :meth:`rebind` takes the result
+        where the size and the position match (else it deals as before).  At a million
+        samples the re-deal (sorts of the unseen samples by complexity) costs a few hundred
+        milliseconds of the survivors' stall; here it is off it."""
+        self._finish_ahead()
+        state = self.sampler.state_dict(consumed=self.rows)
+        box: dict = {}
+        old = self.sampler
+
+        def work():
+            try:
+                sampler = self._sampler_for(num_replicas, 0, old)
+                sampler.load_state_dict(state)
+                table = sampler.epoch_chunks()
+                box["result"] = (num_replicas, state, sampler, table, _first_seen(table, sampler))
+            except Exception as err:     # the rebind deals itself, and raises if it must
+                box["error"] = err
+        thread = threading.Thread(target=work, name="bagua-ft-redeal", daemon=True)
+        self._ahead = (thread, box)
+        thread.start()
+
+    def _finish_ahead(self):
+        """The re-deal computed ahead, once its thread is done (None: there is none)."""
+        if self._ahead is None:
+            return None
+        thread, box = self._ahead
+        self._ahead = None
+        thread.join()
+        return box.get("result")
+
     def rebind(self, num_replicas: int, rank: int, state: dict | None = None) -> None:
         """Serve rank ``rank`` of ``num_replicas`` from the committed position (``state``,
         by default this one's own): the unconsumed samples are re-dealt if the size changed."""
-        state = self.state_dict() if state is None else state
-        old = self.sampler
-        if (old.num_replicas, old.rank) != (num_replicas, rank):
-            self.sampler = type(old)(old.dataset, old.complexities, num_replicas=num_replicas,
-                                     rank=rank, shuffle=old.shuffle, seed=old.seed,
-                                     drop_last=old.drop_last, random_level=old.random_level)
-        self.load_state_dict(state)
+        state = dict(self.state_dict() if state is None else state)
+        owed = state.pop("owed", [])
+        ahead = self._finish_ahead()
+        if ahead is not None and ahead[0] == num_replicas and ahead[1] == state:
+            _, _, sampler, table, mask = ahead
+            sampler.rank = rank            # the table is every rank's: only the column moves
+            self.sampler = sampler
+            self._mask = (table, mask)
+            self._loaded(state, owed)
+            return
+        if (self.sampler.num_replicas, self.sampler.rank) != (num_replicas, rank):
+            self.sampler = self._sampler_for(num_replicas, rank)
+        self.sampler.load_state_dict(state)
+        self._loaded(state, owed)

@@ -164,6 +164,14 @@ class Step:
         return True
 
 
+def _shared_view(impl, own: dict, data_state: dict | None) -> bytes:
+    """The digest of what a rebuild's source broadcasts, as this replica would load it:
+    its algorithm state without the saving rank (the foreign load reads the impl's
+    ``foreign_view`` of it) and the sampler's committed position."""
+    view = {k: v for k, v in own.items() if k not in ("rank", "impl")}
+    return digest(view, impl.foreign_view(own.get("impl")), data_state)
+
+
 def _digests(module, optimizer, algorithm, wrap: dict, size: int) -> tuple[bytes, bytes]:
     """This replica's digests of its wrap configuration and of its state (parameters,
     buffers, optimizer), for the source choice's allgather (empty alone).
@@ -273,6 +281,8 @@ class FaultTolerant:
         self._step0 = 0
         # (algorithm state, data state) of a rebuild that failed half-way, for the next one
         self._pending: tuple | None = None
+        # _shared_view of _pending's state, taken while its algorithm was still attached
+        self._pending_view = b""
         #: seconds each heal took on this replica (state received and applied)
         self.heal_times: list[float] = []
         if not bc.is_initialized():
@@ -425,11 +435,17 @@ class FaultTolerant:
         (from the healthy peer when healing; the shared state from an up-to-date replica,
         never from one whose heal failed, see ``_source``)."""
         rank, size = self._pg.members
+        view = b""                           # unknown: the source's state is broadcast
         if self._pending is not None:       # a rebuild that failed: its state, not a fresh one
             own, data_state = self._pending
+            if healed is None:
+                view = self._pending_view
         else:
             own = self.model.bagua_state_dict() if self.model is not None else None
             data_state = self.data.state_dict() if self.data is not None else None
+            if own is not None and healed is None:
+                view = _shared_view(self.model.impl, own, data_state)
+        own_rank = own.get("rank", -1) if isinstance(own, dict) else -1
         if self.model is not None:
             _detach(self.model)
             self.model = None
@@ -443,17 +459,29 @@ class FaultTolerant:
             if self.scheduler is not None:
                 self.scheduler.load_state_dict(healed["scheduler"])
             data_state = healed["data"]
-        self._pending = (own, data_state)
+        self._pending, self._pending_view = (own, data_state), b""
         self._group = bagua_group(self._pg)
-        survivor = healed is None and self._generation > 0 and self.data is not None
-        src, agreed, old_ranks, same_config, same_state = agree(
+        survivor = healed is None and self._generation > 0
+        # this replica's rank in the group before (the sampler's plan's; without one, the
+        # rank its algorithm state was saved at): -1 for a replica that joins
+        old_rank = -1 if not survivor else (
+            self.data.sampler.rank if self.data is not None else own_rank)
+        agreement = agree(
             self._group, self.manager.current_step(), self.manager.errored() is None,
-            self.data.sampler.rank if survivor else -1,
+            old_rank,
             *_digests(self._module, self.optimizer, self.algorithm, self._wrap, size),
-            secret=self._secret)     # proven by every member first, the agreement with it
-        if survivor:       # every replica goes on from the source's parameters
+            secret=self._secret,     # proven by every member first, the agreement with it
+            shared=view, own_rank=own_rank)
+        src, agreed, old_ranks, same_config, same_state, same_shared, own_ranks = agreement
+        # every member a survivor holding what the source would send: nothing to broadcast
+        # (a few ms of the stall); its state is loaded as the source's would be
+        quiet = agreed and same_state and same_shared and own_ranks[src] >= 0
+        if survivor and self.data is not None:   # every replica goes on from the source's
             data_state = self.data.give_back(old_ranks[src])
-        shared = share(self._group, src, self._module, {
+        if quiet and own is not None and (own.get("world_size"), own.get("rank")) != (size,
+                                                                                  rank):
+            own = {**own, "rank": own_ranks[src]}     # where the source's would be loaded
+        shared = None if quiet else share(self._group, src, self._module, {
             "optimizer": None if agreed else self.optimizer.state_dict(),
             "scheduler": None if agreed or self.scheduler is None
             else self.scheduler.state_dict(),
@@ -525,6 +553,10 @@ class FaultTolerant:
         else:
             self._abandon()
         if not committed:
+            if self.data is not None and self.world_size > 1:
+                # the next quorum most likely lacks the peer that failed: its re-deal is
+                # computed while the Lighthouse waits for that peer's heartbeat to run out
+                self.data.prepare(self.world_size - 1)
             self._leave_group()
         return committed
 
@@ -533,7 +565,7 @@ class FaultTolerant:
         kept for the rebuild at the next step."""
         own = restore(self._module, self.optimizer, saved, _STATE_KEY)
         self._abandon()
-        self._pending = (own, None if self.data is None else self.data.state_dict())
+        self._keep_pending(own)
 
     def _abandon(self) -> None:
         if self.data is not None:
@@ -551,6 +583,13 @@ class FaultTolerant:
         if self.world_size > 1:
             self._abort()
 
+    def _keep_pending(self, own: dict) -> None:
+        """Keep the algorithm's state ``own`` and the committed position for the next
+        rebuild, with their :func:`_shared_view` while the algorithm is still attached."""
+        data_state = None if self.data is None else self.data.state_dict()
+        self._pending = (own, data_state)
+        self._pending_view = _shared_view(self.model.impl, own, data_state)
+
     def _abort(self) -> None:
         """Leave the group now (a step abandoned for a bug, or :meth:`close`): the module
         detached (the algorithm's state kept for the next rebuild, as after a failed one)
@@ -558,8 +597,7 @@ class FaultTolerant:
         it fails at once instead of after the collective timeout."""
         if self.model is not None:
             if self._pending is None:
-                self._pending = (self.model.bagua_state_dict(),
-                                 None if self.data is None else self.data.state_dict())
+                self._keep_pending(self.model.bagua_state_dict())
             _detach(self.model)
             self.model = None
         close_connections(self._group, self._pg)

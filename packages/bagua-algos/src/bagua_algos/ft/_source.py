@@ -14,7 +14,10 @@ with_bagua checks) and of its parameters, buffers and optimizer state.  Where th
 equal (survivors of a per-step algorithm: every committed step left them bit-identical),
 the source's parameters are not broadcast; the wrap then skips with_bagua's configuration
 check and its broadcast of rank 0's parameters and optimizer state whenever both are proven
-equal (see :class:`Agreement`).  The algorithm's shared state always comes from the source.
+equal (see :class:`Agreement`).  The algorithm's shared state comes from the source, but
+where every member was in the group before and holds what the source would send (the same
+algorithm state as far as its foreign load reads it, ``AlgorithmImpl.foreign_view``, and the
+same sampler position), nothing is broadcast: each loads its own as it would the source's.
 """
 
 from __future__ import annotations
@@ -87,6 +90,10 @@ class Agreement(NamedTuple):
     old_ranks: list[int]     # every member's rank in the group before (-1: it joins)
     same_config: bool        # every replica's wrap configuration has the same digest
     same_state: bool         # every replica's parameters, buffers, optimizer state too
+    # every member was in the group before and holds the same algorithm state (as far as a
+    # foreign load reads it) and sampler position: the source's need not be broadcast
+    same_shared: bool = False
+    own_ranks: tuple[int, ...] = ()   # the rank each member's algorithm state was saved at
 
 
 def state_digest(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -98,13 +105,16 @@ def state_digest(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def agree(group: bc.ProcessGroup, step: int, ok: bool, old_rank: int = -1,
-          config: bytes = b"", state: bytes = b"", secret: bytes | None = None) -> Agreement:
+          config: bytes = b"", state: bytes = b"", secret: bytes | None = None,
+          shared: bytes = b"", own_rank: int = -1) -> Agreement:
     """The source and what is equal on every member, in one collective over ``group``.
 
     ``step``: this replica's committed step; ``ok``: no error in this quorum (a failed heal, a
     failed group configure); ``old_rank``: this replica's rank in the group before (-1: it
     joins); ``config``, ``state``: its :func:`digest` of the wrap configuration and of
-    :func:`state_digest` (empty: unknown, counted unequal).  The source is the replica at
+    :func:`state_digest` (empty: unknown, counted unequal); ``shared``: its digest of what
+    the source would broadcast (the algorithm's state as its foreign load reads it, and the
+    sampler's position), ``own_rank`` the rank its algorithm state was saved at.  The source is the replica at
     the highest step that saw no error; among equals a member of the old group is preferred
     (its parameters hold its own local steps, under LocalSGD and DiLoCo; a joiner's are
     another's), lowest rank first.
@@ -113,9 +123,9 @@ def agree(group: bc.ProcessGroup, step: int, ok: bool, old_rank: int = -1,
     ``secret``, inside :func:`authenticate`'s proof (masked, read only once every member
     has proven the secret): the group's authentication and agreement in two rounds."""
     if group.size == 1:
-        return Agreement(0, True, [old_rank], True, True)
-    known = digest_words(config) + digest_words(state)
-    mine = torch.tensor([step, int(ok), old_rank, *known], dtype=torch.int64)
+        return Agreement(0, True, [old_rank], True, True, old_rank >= 0, (own_rank,))
+    known = digest_words(config) + digest_words(state) + digest_words(shared)
+    mine = torch.tensor([step, int(ok), old_rank, *known, own_rank], dtype=torch.int64)
     every = (gather_small(mine, group) if secret is None
              else authenticate(group, secret, mine))
     rows = every.tolist()
@@ -123,7 +133,9 @@ def agree(group: bc.ProcessGroup, step: int, ok: bool, old_rank: int = -1,
     best = max(keys)
     return Agreement(-best[3], all(k[:2] == best[:2] for k in keys), [row[2] for row in rows],
                      all(row[3:5] == rows[0][3:5] for row in rows),
-                     all(row[5:7] == rows[0][5:7] for row in rows))
+                     all(row[5:7] == rows[0][5:7] for row in rows),
+                     all(row[2] >= 0 and row[7:9] == rows[0][7:9] for row in rows),
+                     tuple(row[9] for row in rows))
 
 
 def choose_source(group: bc.ProcessGroup, step: int, ok: bool,
