@@ -190,3 +190,38 @@ def test_unseen_of_is_the_python_reference(n, extra):
         expected = unseen(set(torch.nonzero(consumed).view(-1).tolist()), rest.tolist())
         assert unseen_of(consumed, rest).tolist() == expected
     assert unseen_of(torch.zeros(n, dtype=torch.bool), rest[:0]).tolist() == []
+
+
+@pytest.mark.parametrize("shuffle, drop_last, level", [(True, False, 0.0), (True, True, 0.3),
+                                                       (False, False, 0.0)])
+def test_a_resized_sampler_plans_only_the_last_change(shuffle, drop_last, level):
+    """``resized`` hands the current plan to the sampler of the new world: its
+    ``load_state_dict`` plans only the last change, and every table of a chain of world
+    sizes 3 -> 2 -> 5 -> 1 -> 4 is the one a fresh sampler replaying the epoch computes."""
+    n = 203
+    data = list(range(n))
+    complexity = [float((i * 37) % 11) for i in range(n)]
+    kw = {"shuffle": shuffle, "drop_last": drop_last, "random_level": level, "seed": 9}
+    s = LoadBalancingDistributedSampler(data, complexity, num_replicas=3, rank=0, **kw)
+    s.set_epoch(2)
+    s.epoch_chunks()                          # the plan the job ran (iterating computes it)
+    real = LoadBalancingDistributedSampler._base_chunks
+    replays = []
+
+    def counted(*a):
+        replays.append(a)
+        return real(*a)
+    for new_world, used in ((2, 7), (5, 11), (1, 9), (4, 13)):
+        state = s.state_dict(consumed=used)
+        s = s.resized(new_world, new_world - 1)
+        try:
+            LoadBalancingDistributedSampler._base_chunks = counted
+            s.load_state_dict(state)
+        finally:
+            LoadBalancingDistributedSampler._base_chunks = real
+        assert replays == []                  # nothing replayed from the epoch's start
+        fresh = LoadBalancingDistributedSampler(data, complexity, num_replicas=new_world,
+                                                rank=new_world - 1, **kw)
+        fresh.load_state_dict(state)
+        assert torch.equal(s.epoch_chunks(), fresh.epoch_chunks())
+        assert list(s) == list(fresh)

@@ -171,17 +171,38 @@ class LoadBalancingDistributedSampler(Sampler[int]):
 
     def _plan(self, epoch: int, prior: list[list[int]], world: int) -> torch.Tensor:
         """The table that follows ``prior`` ([num_replicas, rows consumed] per earlier plan)."""
-        table = self._base_chunks(epoch, prior[0][0] if prior else world)
+        first = 0
+        if prior and self._table is not None and self._table[0] == (
+                epoch, prior[-1][0], tuple(map(tuple, prior[:-1]))):
+            # the last earlier plan is the one held (a sampler resized from the one that ran
+            # it): only the last change is planned.  A plan after the first holds samples no
+            # earlier plan dealt (its repeats are its own), so no earlier row is needed.
+            table, first = self._table[1], len(prior) - 1
+        else:
+            table = self._base_chunks(epoch, prior[0][0] if prior else world)
         # which dataset indices a committed row of an earlier plan holds (a mask: a
         # membership change under FaultTolerant re-plans on the survivors' critical path)
         consumed = torch.zeros(self._complexities.numel(), dtype=torch.bool)
-        for j, (_, rows) in enumerate(prior):
+        for j, (_, rows) in enumerate(prior[first:], start=first):
             check_rows(rows, int(table.shape[0]), "samples")
             consumed[table[:rows].reshape(-1)] = True
             pool = unseen_of(consumed, table[rows:].reshape(-1))
             nxt = prior[j + 1][0] if j + 1 < len(prior) else world
             table = self._rebalance(epoch, pool, nxt, j + 1)
         return table
+
+    def resized(self, num_replicas: int, rank: int) -> LoadBalancingDistributedSampler:
+        """This sampler for ``rank`` of ``num_replicas``: the same dataset, complexities
+        (not computed again) and settings, holding this one's current plan, so that
+        ``load_state_dict(state)`` of a position in that plan deals the unseen samples over
+        the new world without replaying the epoch's earlier plans (what the survivors of a
+        membership change do under ``bagua_algos.ft``: at a million samples each replayed
+        plan is a sort of the epoch)."""
+        new = type(self)(self.dataset, self._complexities, num_replicas=num_replicas,
+                         rank=rank, shuffle=self.shuffle, seed=self.seed,
+                         drop_last=self.drop_last, random_level=self.random_level)
+        new._table = self._table
+        return new
 
     def _prior_history(self, epoch: int) -> list[list[int]]:
         if self._prior is not None and self._prior[0] == epoch:

@@ -146,6 +146,8 @@ class CommittedBatches:
 
     def _sampler_for(self, num_replicas: int, rank: int, old=None):
         old = old or self.sampler
+        if hasattr(old, "resized"):     # holding the current plan: only the change is planned
+            return old.resized(num_replicas, rank)
         return type(old)(old.dataset, old.complexities, num_replicas=num_replicas, rank=rank,
                          shuffle=old.shuffle, seed=old.seed, drop_last=old.drop_last,
                          random_level=old.random_level)
