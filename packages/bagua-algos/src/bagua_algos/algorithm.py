@@ -288,7 +288,7 @@ class AlgorithmImpl:
         must depend on nothing else but the saving world size and rank.  A rebuild under
         ``bagua_algos.ft`` whose replicas hold equal views (and equal everything else) loads
         each replica's own state instead of broadcasting the source's.  The default: the
-        whole state."""
+        whole state; None: a state only its saving rank can use (never compared)."""
         return state
 
     def load_foreign_state_dict(self, state: dict, *, world_size: int, rank: int) -> str | None:

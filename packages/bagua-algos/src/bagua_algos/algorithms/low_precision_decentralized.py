@@ -276,6 +276,9 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         # (rank 0 cannot know whether its peers loaded their own files or its own).
         self._resync = True
 
+    def foreign_view(self, state):
+        return None          # the saving rank's own weights: never another rank's
+
     def load_foreign_state_dict(self, state, *, world_size, rank):
         found = self.state.load(self.buckets, state, names=("mine",))
         if found < sum(len(b.params) for b in self.buckets):

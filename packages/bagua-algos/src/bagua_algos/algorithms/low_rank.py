@@ -287,6 +287,10 @@ class LowRankImpl(AlgorithmImpl):
         self.q = {k: v.detach().float().to(self.device, copy=True)
                   for k, v in state["q"].items()}
 
+    def foreign_view(self, state):
+        return {"rounds": state.get("rounds"), "q": state.get("q"),
+                "residuals": any(t.any() for t in state.get("residuals", {}).values())}
+
     def load_foreign_state_dict(self, state, *, world_size, rank):
         # Q is the same on every rank; a residual is one rank's unsent error.
         self._load_shared(state)

@@ -332,6 +332,11 @@ class TopKImpl(AlgorithmImpl):
             if mine:
                 import_flat(self.buckets, mine, state.get(name, {}), f"TopK {name}")
 
+    def foreign_view(self, state):
+        return {"rounds": int(state.get("rounds", 0)),
+                "residuals": any(t.any() for key in ("residuals", "velocities")
+                                 for t in state.get(key, {}).values())}
+
     def load_foreign_state_dict(self, state, *, world_size, rank):
         # A residual is one rank's unsent gradient: another rank's would be sent twice.
         self.rounds = int(state.get("rounds", 0))      # the same on every rank

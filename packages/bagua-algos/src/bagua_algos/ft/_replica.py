@@ -168,8 +168,11 @@ def _shared_view(impl, own: dict, data_state: dict | None) -> bytes:
     """The digest of what a rebuild's source broadcasts, as this replica would load it:
     its algorithm state without the saving rank (the foreign load reads the impl's
     ``foreign_view`` of it) and the sampler's committed position."""
+    seen = impl.foreign_view(own.get("impl"))
+    if seen is None:                     # only its saving rank can use it: always sent
+        return b""
     view = {k: v for k, v in own.items() if k not in ("rank", "impl")}
-    return digest(view, impl.foreign_view(own.get("impl")), data_state)
+    return digest(view, seen, data_state)
 
 
 def _digests(module, optimizer, algorithm, wrap: dict, size: int) -> tuple[bytes, bytes]:
