@@ -59,8 +59,8 @@ class CommittedBatches:
         self.synced = 0                # rows of the plan whose steps every replica holds
         self.owed: list[int] = []      # samples given back (lost local steps), dealt next
         self._syncs = [0]              # rows at each fragment's last sync (``synced``: min)
-        # a re-deal computed ahead (:meth:`prepare`): (thread, result box)
-        self._ahead: tuple[threading.Thread, dict] | None = None
+        # a re-deal computed ahead (:meth:`prepare`): (size, position, thread, result box)
+        self._ahead: tuple | None = None
 
     def _table(self):
         return self.sampler.epoch_chunks()
@@ -159,8 +159,8 @@ class CommittedBatches:
         quorum is most likely this one less that peer.  :meth:`rebind` takes the result
         where the size and the position match (else it deals as before).  At a million
         samples the re-deal (sorts of the unseen samples by complexity) costs a few hundred
-        milliseconds of the survivors' stall; here it is off it."""
-        self._finish_ahead()
+        milliseconds of the survivors' stall; here it is off it.  A re-deal still running
+        from an earlier guess is left to finish on its own (never waited for)."""
         state = self.sampler.state_dict(consumed=self.rows)
         box: dict = {}
         old = self.sampler
@@ -170,35 +170,28 @@ class CommittedBatches:
                 sampler = self._sampler_for(num_replicas, 0, old)
                 sampler.load_state_dict(state)
                 table = sampler.epoch_chunks()
-                box["result"] = (num_replicas, state, sampler, table, _first_seen(table, sampler))
+                box["result"] = (sampler, table, _first_seen(table, sampler))
             except Exception as err:     # the rebind deals itself, and raises if it must
                 box["error"] = err
         thread = threading.Thread(target=work, name="bagua-ft-redeal", daemon=True)
-        self._ahead = (thread, box)
+        self._ahead = (num_replicas, state, thread, box)
         thread.start()
-
-    def _finish_ahead(self):
-        """The re-deal computed ahead, once its thread is done (None: there is none)."""
-        if self._ahead is None:
-            return None
-        thread, box = self._ahead
-        self._ahead = None
-        thread.join()
-        return box.get("result")
 
     def rebind(self, num_replicas: int, rank: int, state: dict | None = None) -> None:
         """Serve rank ``rank`` of ``num_replicas`` from the committed position (``state``,
         by default this one's own): the unconsumed samples are re-dealt if the size changed."""
         state = dict(self.state_dict() if state is None else state)
         owed = state.pop("owed", [])
-        ahead = self._finish_ahead()
-        if ahead is not None and ahead[0] == num_replicas and ahead[1] == state:
-            _, _, sampler, table, mask = ahead
-            sampler.rank = rank            # the table is every rank's: only the column moves
-            self.sampler = sampler
-            self._mask = (table, mask)
-            self._loaded(state, owed)
-            return
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[:2] == (num_replicas, state):
+            ahead[2].join()                # started a heartbeat timeout ago: done, or nearly
+            if "result" in ahead[3]:
+                sampler, table, mask = ahead[3]["result"]
+                sampler.rank = rank        # the table is every rank's: only the column moves
+                self.sampler = sampler
+                self._mask = (table, mask)
+                self._loaded(state, owed)
+                return
         if (self.sampler.num_replicas, self.sampler.rank) != (num_replicas, rank):
             self.sampler = self._sampler_for(num_replicas, rank)
         self.sampler.load_state_dict(state)
