@@ -455,11 +455,8 @@ def test_the_agreement_goes_with_the_secrets_proof_and_is_unreadable_without_it(
     assert "peer rank(s) [0]" in bad[1], bad
 
 
-@pytest.mark.parametrize("n, batch", [(10, 2), (97, 4), (96, 5)])
-def test_committed_batches_deal_every_sample_once_across_a_membership_change(n, batch):
-    """3 replicas take an epoch's batches in lockstep, one is lost after 2 steps, the other 2
-    finish the epoch: every sample exactly once. The sampler pads a table to whole rows by
-    repeating samples (and pads again when it re-deals over 2): a repeat is not dealt."""
+def _replicas(n, batch):
+    """``replica(world, rank)``: CommittedBatches over n samples (complexity i % 7)."""
     pytest.importorskip("bagua_data")
     from bagua_algos.ft import CommittedBatches
     from bagua_data import LoadBalancingDistributedSampler
@@ -471,6 +468,15 @@ def test_committed_batches_deal_every_sample_once_across_a_membership_change(n, 
         s = LoadBalancingDistributedSampler(data, complexity, num_replicas=world, rank=rank,
                                             seed=3)
         return CommittedBatches(data, s, batch)
+    return replica
+
+
+@pytest.mark.parametrize("n, batch", [(10, 2), (97, 4), (96, 5)])
+def test_committed_batches_deal_every_sample_once_across_a_membership_change(n, batch):
+    """3 replicas take an epoch's batches in lockstep, one is lost after 2 steps, the other 2
+    finish the epoch: every sample exactly once. The sampler pads a table to whole rows by
+    repeating samples (and pads again when it re-deals over 2): a repeat is not dealt."""
+    replica = _replicas(n, batch)
 
     seen = []
     group = [replica(3, r) for r in range(3)]
@@ -520,17 +526,7 @@ def test_local_steps_lost_with_their_replicas_are_dealt_again(n, batch, sync_eve
     parameters.  The samples that replicas 1 and 2 trained on since the sync left with their
     parameters: after ``give_back`` every sample of the epoch is in exactly one step whose
     training survived (replica 1's steps since the sync do not count, nor the lost one's)."""
-    pytest.importorskip("bagua_data")
-    from bagua_algos.ft import CommittedBatches
-    from bagua_data import LoadBalancingDistributedSampler
-
-    data = torch.utils.data.TensorDataset(torch.arange(n))
-    complexity = [float(i % 7) for i in range(n)]
-
-    def replica(world, rank):
-        s = LoadBalancingDistributedSampler(data, complexity, num_replicas=world, rank=rank,
-                                            seed=3)
-        return CommittedBatches(data, s, batch)
+    replica = _replicas(n, batch)
 
     kept, since_sync = [], [[], [], []]
     group = [replica(3, r) for r in range(3)]
@@ -569,17 +565,7 @@ def test_a_re_deal_computed_ahead_is_the_re_deal(n, batch, prepared):
     where the size and the position match: every batch is then the one a re-deal made at
     the rebind gives, on every rank, and a guess of the wrong size changes nothing either.
     The first-appearance mask (one scatter, no sort) is the one ``torch.unique`` gives."""
-    pytest.importorskip("bagua_data")
-    from bagua_algos.ft import CommittedBatches
-    from bagua_data import LoadBalancingDistributedSampler
-
-    data = torch.utils.data.TensorDataset(torch.arange(n))
-    complexity = [float(i % 7) for i in range(n)]
-
-    def replica(world, rank):
-        s = LoadBalancingDistributedSampler(data, complexity, num_replicas=world, rank=rank,
-                                            seed=3)
-        return CommittedBatches(data, s, batch)
+    replica = _replicas(n, batch)
 
     def epoch(group):
         out = []
