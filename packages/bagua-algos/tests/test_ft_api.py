@@ -586,18 +586,15 @@ def test_a_re_deal_computed_ahead_is_the_re_deal(n, batch, prepared):
     boxes = []
     for b in ahead[:2]:
         b.prepare(prepared)
-        boxes.append(b._ahead[3])
+        boxes.append(b._ahead[2])
     state = plain[0].state_dict()
     assert state == ahead[0].state_dict()
     for r in range(2):
         plain[r].rebind(2, r, state)
         ahead[r].rebind(2, r, state)
         assert ahead[r]._ahead is None
-    for box in boxes:                    # a wrong guess is not waited for: finished here
-        while not box:
-            time.sleep(0.01)
-    for r, box in enumerate(boxes):      # taken where the guess was right, else not
-        assert (ahead[r].sampler is box["result"][0]) == (prepared == 2), (r, box)
+    for r, guess in enumerate(boxes):    # taken where the guess was right, else not
+        assert (ahead[r].sampler is guess.result()[0]) == (prepared == 2), r
         assert (ahead[r].sampler.num_replicas, ahead[r].sampler.rank) == (2, r)
     assert epoch(ahead[:2]) == epoch(plain[:2])
 
@@ -626,14 +623,13 @@ def test_a_re_deal_computed_ahead_of_another_position_is_not_taken():
     b.next()
     b.commit()
     b.prepare(2)
-    _, _, thread, box = b._ahead
+    guess = b._ahead[2]
     b.next()
     b.commit()
     state = b.state_dict()
     b.rebind(2, 0, state)
     assert b._ahead is None
-    thread.join()
-    assert b.sampler is not box["result"][0]
+    assert b.sampler is not guess.result()[0]
     fresh = CommittedBatches(data, LoadBalancingDistributedSampler(
         data, [float(i % 7) for i in range(97)], num_replicas=2, rank=0, seed=3), 4)
     fresh.load_state_dict(state)

@@ -52,9 +52,20 @@ def _rebuild(case):
     ft._wrap = {"bucket_size": None, "do_flatten": True}
     ft.manager, ft._pg = _Manager(), _Pg()
     ft._pg.members = (group.rank, group.size)
-    ft._pending_view = b""
+    ft._pending_view = ft._ahead = None
     if case == "survivors":     # replicas of the group before: each holds its wrapped model
         ft.model = ba.with_bagua(module, [opt], ft.algorithm, group=group)
+    threads = []                # the threads the state's digests were computed on
+    real_digests = rep._digests
+
+    def digests(*a, **kw):
+        import threading
+        threads.append(threading.current_thread().name)
+        return real_digests(*a, **kw)
+    rep._digests = digests
+    if case == "ahead":         # a step voted down: the digests start on a thread
+        ft._pending = (None, None)
+        ft._digest_ahead()
     rep.bagua_group = lambda pg: group           # the quorum's group: run_ranks's own
     names = ("broadcast", "broadcast_object", "allgather", "allreduce_inplace",
              "batch_isend_irecv")
@@ -77,7 +88,8 @@ def _rebuild(case):
             return _real(*a, **kw)
         setattr(bc, name, counted)
     ft._rebuild(None)
-    counts["sent"], counts["cast"] = sent, cast
+    rep._digests = real_digests
+    counts["sent"], counts["cast"], counts["threads"] = sent, cast, threads
     for name in names:                           # the module's own functions again
         setattr(bc, name, getattr(bc, name).__kwdefaults__["_real"])
     params = [p.detach().clone() for p in module.parameters()]
@@ -120,6 +132,25 @@ def test_replicas_proven_equal_move_no_parameters_or_optimizer_state(world):
         assert counts["allgather"] == 0, counts
         assert counts["batch_isend_irecv"] == 2, counts
         assert counts["sent"] == [[(p, 32) for p in peers], [(p, 32 + 10 * 8) for p in peers]]
+        assert all(torch.equal(a, b) for a, b in zip(got_params, params))
+        assert all(torch.equal(got_moments[k], moments[k]) for k in moments)
+
+
+def test_the_digests_computed_while_the_lighthouse_waits_are_the_rebuilds():
+    """After a step voted down, the state's digests are computed on a thread (while the
+    Lighthouse waits for the lost peer's heartbeat to run out); the rebuild takes them and
+    computes none itself, with the same outcome as computing them there: the replicas are
+    proven equal, no parameter or optimizer state moves."""
+    from bagua_comm.testing import run_ranks
+
+    params, moments = _reference()
+    for ahead, same in zip(run_ranks(_rebuild, 2, args=("ahead",)),
+                           run_ranks(_rebuild, 2, args=("same",))):
+        counts, got_params, got_moments = ahead
+        assert counts["threads"] == ["bagua-ft-digests"], counts["threads"]
+        assert same[0]["threads"] == ["MainThread"], same[0]["threads"]
+        assert {k: v for k, v in counts.items() if k != "threads"} == {
+            k: v for k, v in same[0].items() if k != "threads"}
         assert all(torch.equal(a, b) for a, b in zip(got_params, params))
         assert all(torch.equal(got_moments[k], moments[k]) for k in moments)
 

@@ -15,10 +15,10 @@ batch (``owed[rank::num_replicas]``), each exactly once.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch.utils.data import default_collate
+
+from ._ahead import Ahead
 
 
 def _first_seen(table: torch.Tensor, sampler) -> torch.Tensor:
@@ -59,7 +59,7 @@ class CommittedBatches:
         self.synced = 0                # rows of the plan whose steps every replica holds
         self.owed: list[int] = []      # samples given back (lost local steps), dealt next
         self._syncs = [0]              # rows at each fragment's last sync (``synced``: min)
-        # a re-deal computed ahead (:meth:`prepare`): (size, position, thread, result box)
+        # a re-deal computed ahead (:meth:`prepare`): (size, position, Ahead)
         self._ahead: tuple | None = None
 
     def _table(self):
@@ -162,20 +162,14 @@ class CommittedBatches:
         milliseconds of the survivors' stall; here it is off it.  A re-deal still running
         from an earlier guess is left to finish on its own (never waited for)."""
         state = self.sampler.state_dict(consumed=self.rows)
-        box: dict = {}
         old = self.sampler
 
         def work():
-            try:
-                sampler = self._sampler_for(num_replicas, 0, old)
-                sampler.load_state_dict(state)
-                table = sampler.epoch_chunks()
-                box["result"] = (sampler, table, _first_seen(table, sampler))
-            except Exception as err:     # the rebind deals itself, and raises if it must
-                box["error"] = err
-        thread = threading.Thread(target=work, name="bagua-ft-redeal", daemon=True)
-        self._ahead = (num_replicas, state, thread, box)
-        thread.start()
+            sampler = self._sampler_for(num_replicas, 0, old)
+            sampler.load_state_dict(state)
+            table = sampler.epoch_chunks()
+            return sampler, table, _first_seen(table, sampler)
+        self._ahead = (num_replicas, state, Ahead(work, "bagua-ft-redeal"))
 
     def rebind(self, num_replicas: int, rank: int, state: dict | None = None) -> None:
         """Serve rank ``rank`` of ``num_replicas`` from the committed position (``state``,
@@ -184,9 +178,11 @@ class CommittedBatches:
         owed = state.pop("owed", [])
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[:2] == (num_replicas, state):
-            ahead[2].join()                # started a heartbeat timeout ago: done, or nearly
-            if "result" in ahead[3]:
-                sampler, table, mask = ahead[3]["result"]
+            try:       # started a heartbeat timeout ago: done, or nearly
+                sampler, table, mask = ahead[2].result()
+            except Exception:       # dealt below, where the error is raised if it must be
+                pass
+            else:
                 sampler.rank = rank        # the table is every rank's: only the column moves
                 self.sampler = sampler
                 self._mask = (table, mask)

@@ -27,6 +27,7 @@ from .._engine.checkpoint import STATE_KEY as _STATE_KEY
 from .._engine.consistency import configuration
 from ..algorithm import Algorithm
 from ..module import BaguaModule, _wrap, _wrap_configuration
+from ._ahead import Ahead
 from ._data import CommittedBatches
 from ._group import bagua_group, close_connections, configure_failure, reconfigurable_gloo, release
 from ._lighthouse import no_quorum_error
@@ -164,15 +165,19 @@ class Step:
         return True
 
 
-def _shared_view(impl, own: dict, data_state: dict | None) -> bytes:
-    """The digest of what a rebuild's source broadcasts, as this replica would load it:
-    its algorithm state without the saving rank (the foreign load reads the impl's
-    ``foreign_view`` of it) and the sampler's committed position."""
+def _shared_view(impl, own: dict, data_state: dict | None) -> tuple | None:
+    """What a rebuild's source broadcasts, as this replica would load it: its algorithm
+    state without the saving rank (the foreign load reads the impl's ``foreign_view`` of
+    it) and the sampler's committed position (None: only its saving rank can use it)."""
     seen = impl.foreign_view(own.get("impl"))
-    if seen is None:                     # only its saving rank can use it: always sent
-        return b""
-    view = {k: v for k, v in own.items() if k not in ("rank", "impl")}
-    return digest(view, seen, data_state)
+    if seen is None:
+        return None
+    return {k: v for k, v in own.items() if k not in ("rank", "impl")}, seen, data_state
+
+
+def _view_digest(view: tuple | None) -> bytes:
+    """:func:`digest` of a :func:`_shared_view` (empty, counted unequal, for None)."""
+    return b"" if view is None else digest(*view)
 
 
 def _digests(module, optimizer, algorithm, wrap: dict, size: int) -> tuple[bytes, bytes]:
@@ -285,7 +290,9 @@ class FaultTolerant:
         # (algorithm state, data state) of a rebuild that failed half-way, for the next one
         self._pending: tuple | None = None
         # _shared_view of _pending's state, taken while its algorithm was still attached
-        self._pending_view = b""
+        self._pending_view: tuple | None = None
+        # (the _pending it is of, the digests the next rebuild compares, on a thread)
+        self._ahead: tuple | None = None
         #: seconds each heal took on this replica (state received and applied)
         self.heal_times: list[float] = []
         if not bc.is_initialized():
@@ -438,7 +445,10 @@ class FaultTolerant:
         (from the healthy peer when healing; the shared state from an up-to-date replica,
         never from one whose heal failed, see ``_source``)."""
         rank, size = self._pg.members
-        view = b""                           # unknown: the source's state is broadcast
+        ahead, self._ahead = self._ahead, None
+        if healed is not None or ahead is None or ahead[0] is not self._pending:
+            ahead = None                     # the state it digested is not the one here
+        view = None                          # unknown: the source's state is broadcast
         if self._pending is not None:       # a rebuild that failed: its state, not a fresh one
             own, data_state = self._pending
             if healed is None:
@@ -462,7 +472,16 @@ class FaultTolerant:
             if self.scheduler is not None:
                 self.scheduler.load_state_dict(healed["scheduler"])
             data_state = healed["data"]
-        self._pending, self._pending_view = (own, data_state), b""
+        self._pending, self._pending_view = (own, data_state), None
+        digests = None
+        if ahead is not None:
+            try:
+                digests = ahead[1].result()  # started a heartbeat timeout ago
+            except Exception as err:
+                logger.info(f"bagua_algos.ft: the digests computed ahead failed ({err})")
+        if digests is None:
+            digests = (*_digests(self._module, self.optimizer, self.algorithm, self._wrap,
+                                 size), _view_digest(view))
         self._group = bagua_group(self._pg)
         survivor = healed is None and self._generation > 0
         # this replica's rank in the group before (the sampler's plan's; without one, the
@@ -472,9 +491,8 @@ class FaultTolerant:
         agreement = agree(
             self._group, self.manager.current_step(), self.manager.errored() is None,
             old_rank,
-            *_digests(self._module, self.optimizer, self.algorithm, self._wrap, size),
-            secret=self._secret,     # proven by every member first, the agreement with it
-            shared=view, own_rank=own_rank)
+            *digests[:2], secret=self._secret,   # proven by every member first, then agreed
+            shared=digests[2], own_rank=own_rank)
         src, agreed, old_ranks, same_config, same_state, same_shared, own_ranks = agreement
         # every member a survivor holding what the source would send: nothing to broadcast
         # (a few ms of the stall); its state is loaded as the source's would be
@@ -556,12 +574,26 @@ class FaultTolerant:
         else:
             self._abandon()
         if not committed:
-            if self.data is not None and self.world_size > 1:
+            grouped = self.world_size > 1
+            if self.data is not None and grouped:
                 # the next quorum most likely lacks the peer that failed: its re-deal is
                 # computed while the Lighthouse waits for that peer's heartbeat to run out
                 self.data.prepare(self.world_size - 1)
             self._leave_group()
+            if grouped:
+                self._digest_ahead()
         return committed
+
+    def _digest_ahead(self) -> None:
+        """Start the next rebuild's digests (the wrap configuration; the parameters,
+        buffers and optimizer state: a second at 1 GB of state; what the source would send)
+        on a thread: nothing they cover changes until that rebuild (see ``_ahead``)."""
+        module, optimizer, algorithm, wrap = (self._module, self.optimizer, self.algorithm,
+                                              self._wrap)
+        view = self._pending_view
+        self._ahead = (self._pending, Ahead(
+            lambda: (*_digests(module, optimizer, algorithm, wrap, 2), _view_digest(view)),
+            "bagua-ft-digests"))
 
     def _undo(self, saved: tuple) -> None:
         """A speculative optimizer step voted down: the state before it, the algorithm's
