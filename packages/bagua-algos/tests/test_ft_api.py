@@ -140,7 +140,7 @@ def test_a_host_whose_rebuild_failed_still_serves_the_algorithm_state():
     code = """
 import torch
 import bagua_algos as ba
-import bagua_algos.ft._replica as rep
+import bagua_algos.ft._rebuild as reb
 from bagua_algos.ft import FaultTolerant, lighthouse
 lh = lighthouse()
 torch.manual_seed(0)
@@ -156,7 +156,7 @@ assert live is not None and live["step"] == 3, live
 
 def dead_peer(pg):
     raise RuntimeError("gloo: connection closed by peer (injected)")
-rep.bagua_group = dead_peer
+reb.bagua_group = dead_peer
 try:
     ft._rebuild(None)
 except RuntimeError as e:

@@ -30,6 +30,7 @@ def _rebuild(case):
     """One survivor-style rebuild (no heal) on 2 ranks of run_ranks's group, with
     bagua_comm's collectives counted; ``case`` makes rank 1 differ (or not)."""
     import bagua_algos as ba
+    import bagua_algos.ft._rebuild as reb
     import bagua_algos.ft._replica as rep
     import bagua_comm as bc
 
@@ -56,17 +57,17 @@ def _rebuild(case):
     if case == "survivors":     # replicas of the group before: each holds its wrapped model
         ft.model = ba.with_bagua(module, [opt], ft.algorithm, group=group)
     threads = []                # the threads the state's digests were computed on
-    real_digests = rep._digests
+    real_digests = reb._digests
 
     def digests(*a, **kw):
         import threading
         threads.append(threading.current_thread().name)
         return real_digests(*a, **kw)
-    rep._digests = digests
+    reb._digests = digests
     if case == "ahead":         # a step voted down: the digests start on a thread
         ft._pending = (None, None)
-        ft._digest_ahead()
-    rep.bagua_group = lambda pg: group           # the quorum's group: run_ranks's own
+        reb.digest_ahead(ft)
+    reb.bagua_group = lambda pg: group           # the quorum's group: run_ranks's own
     names = ("broadcast", "broadcast_object", "allgather", "allreduce_inplace",
              "batch_isend_irecv")
     counts = dict.fromkeys(names, 0)
@@ -88,7 +89,7 @@ def _rebuild(case):
             return _real(*a, **kw)
         setattr(bc, name, counted)
     ft._rebuild(None)
-    rep._digests = real_digests
+    reb._digests = real_digests
     counts["sent"], counts["cast"], counts["threads"] = sent, cast, threads
     for name in names:                           # the module's own functions again
         setattr(bc, name, getattr(bc, name).__kwdefaults__["_real"])

@@ -13,9 +13,7 @@ epoch's pool.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import traceback
 from datetime import timedelta
 
 import torch
@@ -26,12 +24,12 @@ import bagua_comm as bc
 from .._engine.checkpoint import STATE_KEY as _STATE_KEY
 from .._engine.consistency import configuration
 from ..algorithm import Algorithm
-from ..module import BaguaModule, _wrap, _wrap_configuration
-from ._ahead import Ahead
+from ..module import BaguaModule
 from ._data import CommittedBatches
-from ._group import bagua_group, close_connections, configure_failure, reconfigurable_gloo, release
+from ._errors import forget_frames, is_comm_error
+from ._group import close_connections, configure_failure, reconfigurable_gloo
 from ._lighthouse import no_quorum_error
-from ._source import agree, digest, share, state_digest
+from ._rebuild import _detach, digest_ahead, keep_pending, rebuild
 from ._speculate import alive, communicates_in_step, drain, restore, snapshot, synced_fragments
 from ._transport import SecretRefused, job_secret, make_transport
 
@@ -59,15 +57,6 @@ def _quorum_retries(quorum_timeout: timedelta) -> int:
     default) a request lost with a restarted Lighthouse is never resent and the step fails
     after ``quorum_timeout``."""
     return max(1, int(quorum_timeout.total_seconds() * 1000) // _RESEND_MS - 1)
-
-
-def is_comm_error(err: BaseException) -> bool:
-    """A failure of the group (a peer gone or silent), as opposed to a bug in the step."""
-    if isinstance(err, dist.DistError):
-        return True
-    text = str(err).lower()
-    return isinstance(err, RuntimeError) and any(
-        s in text for s in ("gloo", "connection", "timed out", "broken pipe", "peer"))
 
 
 def _model_meta(module: torch.nn.Module, optimizer, algorithm: Algorithm, wrap: dict) -> dict:
@@ -102,41 +91,6 @@ def _refusal(mine: dict, theirs) -> str | None:
     return "its configuration differs:\n" + "\n".join(fields or ["  (another bagua version)"])
 
 
-@contextlib.contextmanager
-def _quiet(name: str):
-    """with_bagua's warning about an optimizer that already holds state is about checkpoints
-    loaded too early; here the state is the live one, on purpose."""
-    log = logging.getLogger(name)
-    old = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(old)
-
-
-def forget_frames(err: BaseException | None) -> None:
-    """``err`` (and its causes) without the local variables of the frames it was raised
-    through: those hold the gloo groups of the collective that failed, which must go for
-    their connections to close (see ``_group.close_connections``).  File and line stay."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        traceback.clear_frames(err.__traceback__)
-        err = err.__cause__ or err.__context__
-
-
-def _detach(model: BaguaModule) -> None:
-    """Detach the algorithm; an exchange of it that failed (a peer died in it) is dropped
-    with it instead of raising again."""
-    try:
-        model.detach_algorithm()
-    except Exception as err:
-        if not is_comm_error(err):
-            raise
-        logger.info(f"bagua_algos.ft: a failed exchange dropped with the old group ({err})")
-
-
 class Step:
     """One training step (see :meth:`FaultTolerant.step`): ``batch`` (with ``data=``),
     ``committed`` after the block, ``error`` the communication failure it absorbed."""
@@ -163,37 +117,6 @@ class Step:
             self.ft.manager.report_error(exc)
         self.committed = self.ft._finish()
         return True
-
-
-def _shared_view(impl, own: dict, data_state: dict | None) -> tuple | None:
-    """What a rebuild's source broadcasts, as this replica would load it: its algorithm
-    state without the saving rank (the foreign load reads the impl's ``foreign_view`` of
-    it) and the sampler's committed position (None: only its saving rank can use it)."""
-    seen = impl.foreign_view(own.get("impl"))
-    if seen is None:
-        return None
-    return {k: v for k, v in own.items() if k not in ("rank", "impl")}, seen, data_state
-
-
-def _view_digest(view: tuple | None) -> bytes:
-    """:func:`digest` of a :func:`_shared_view` (empty, counted unequal, for None)."""
-    return b"" if view is None else digest(*view)
-
-
-def _digests(module, optimizer, algorithm, wrap: dict, size: int) -> tuple[bytes, bytes]:
-    """This replica's digests of its wrap configuration and of its state (parameters,
-    buffers, optimizer), for the source choice's allgather (empty alone).
-
-    torch's Optimizer.load_state_dict (here when healing, in a rebuild's share on the
-    replicas behind) adds keys to the optimizer's defaults ("differentiable") through
-    __setstate__; a replica whose optimizer was never loaded lacks them, and QAdam's
-    description in the wrap's configuration includes its optimizer: every replica takes
-    torch's own normalisation before the digests and each wrap."""
-    optimizer.__setstate__(optimizer.__getstate__())
-    if size <= 1:
-        return b"", b""
-    return (digest(_wrap_configuration(module, [optimizer], algorithm, **wrap)),
-            state_digest(module, optimizer, _STATE_KEY))
 
 
 class FaultTolerant:
@@ -441,103 +364,7 @@ class FaultTolerant:
             raise refused
 
     def _rebuild(self, healed: dict | None) -> None:
-        """Wrap the model anew on the current quorum's group, carrying every piece of state
-        (from the healthy peer when healing; the shared state from an up-to-date replica,
-        never from one whose heal failed, see ``_source``)."""
-        rank, size = self._pg.members
-        ahead, self._ahead = self._ahead, None
-        if healed is not None or ahead is None or ahead[0] is not self._pending:
-            ahead = None                     # the state it digested is not the one here
-        view = None                          # unknown: the source's state is broadcast
-        if self._pending is not None:       # a rebuild that failed: its state, not a fresh one
-            own, data_state = self._pending
-            if healed is None:
-                view = self._pending_view
-        else:
-            own = self.model.bagua_state_dict() if self.model is not None else None
-            data_state = self.data.state_dict() if self.data is not None else None
-            if own is not None and healed is None:
-                view = _shared_view(self.model.impl, own, data_state)
-        own_rank = own.get("rank", -1) if isinstance(own, dict) else -1
-        if self.model is not None:
-            _detach(self.model)
-            self.model = None
-        release(self._group)
-        self._group = None
-        if healed is not None:
-            self._module.load_state_dict(healed["model"])
-            opt_state = dict(healed["optimizer"])
-            own = opt_state.pop(_STATE_KEY, None)
-            self.optimizer.load_state_dict(opt_state)
-            if self.scheduler is not None:
-                self.scheduler.load_state_dict(healed["scheduler"])
-            data_state = healed["data"]
-        self._pending, self._pending_view = (own, data_state), None
-        digests = None
-        if ahead is not None:
-            try:
-                digests = ahead[1].result()  # started a heartbeat timeout ago
-            except Exception as err:
-                logger.info(f"bagua_algos.ft: the digests computed ahead failed ({err})")
-        if digests is None:
-            digests = (*_digests(self._module, self.optimizer, self.algorithm, self._wrap,
-                                 size), _view_digest(view))
-        self._group = bagua_group(self._pg)
-        survivor = healed is None and self._generation > 0
-        # this replica's rank in the group before (the sampler's plan's; without one, the
-        # rank its algorithm state was saved at): -1 for a replica that joins
-        old_rank = -1 if not survivor else (
-            self.data.sampler.rank if self.data is not None else own_rank)
-        agreement = agree(
-            self._group, self.manager.current_step(), self.manager.errored() is None,
-            old_rank,
-            *digests[:2], secret=self._secret,   # proven by every member first, then agreed
-            shared=digests[2], own_rank=own_rank)
-        src, agreed, old_ranks, same_config, same_state, same_shared, own_ranks = agreement
-        # every member a survivor holding what the source would send: nothing to broadcast
-        # (a few ms of the stall); its state is loaded as the source's would be
-        quiet = agreed and same_state and same_shared and own_ranks[src] >= 0
-        if survivor and self.data is not None:   # every replica goes on from the source's
-            data_state = self.data.give_back(old_ranks[src])
-        if quiet and own is not None and (own.get("world_size"), own.get("rank")) != (size,
-                                                                                  rank):
-            own = {**own, "rank": own_ranks[src]}     # where the source's would be loaded
-        shared = None if quiet else share(self._group, src, self._module, {
-            "optimizer": None if agreed else self.optimizer.state_dict(),
-            "scheduler": None if agreed or self.scheduler is None
-            else self.scheduler.state_dict(),
-            "data": None if agreed else data_state, "bagua": own,
-            "owed": None if data_state is None else data_state.get("owed")},
-            params=not same_state) if size > 1 else None
-        if shared is not None and rank != src:
-            if not agreed:                 # this replica is behind: the source's state
-                self.optimizer.load_state_dict(shared["optimizer"])
-                if self.scheduler is not None:
-                    self.scheduler.load_state_dict(shared["scheduler"])
-                data_state = shared["data"]
-            if not agreed or own is None or (own.get("world_size"), own.get("rank")) != (
-                    size, rank):
-                own = shared["bagua"]
-        self.optimizer.__setstate__(self.optimizer.__getstate__())
-        # every replica holds the source's parameters and (all states equal, or not all up to
-        # date) optimizer state: the wrap's check and broadcast would move equal values
-        in_sync = same_config and (same_state or not agreed)
-        with _quiet("bagua_algos"):
-            self.model = _wrap(self._module, [self.optimizer], self.algorithm,
-                               group=self._group, in_sync=in_sync, **self._wrap)
-        if own is not None:
-            self.model.load_bagua_state_dict(own)
-        if self.data is not None and data_state is not None:
-            # the samples owed as the source counts them (a joiner's state predates them)
-            if shared is not None and shared["owed"] is not None:
-                data_state = {**data_state, "owed": shared["owed"]}
-            self.data.rebind(size, rank, data_state)
-        self._pending = None
-        self._generation = self._pg.generation
-        self._dirty = False
-        logger.info(f"bagua_algos.ft: training at {size} replicas (this one: rank {rank})"
-                    f"{', healed from a peer' if healed is not None else ''}"
-                    f"{'' if agreed else f', shared state from rank {src}'}")
+        rebuild(self, healed)
 
     def _finish(self) -> bool:
         saved = None
@@ -581,26 +408,15 @@ class FaultTolerant:
                 self.data.prepare(self.world_size - 1)
             self._leave_group()
             if grouped:
-                self._digest_ahead()
+                digest_ahead(self)
         return committed
-
-    def _digest_ahead(self) -> None:
-        """Start the next rebuild's digests (the wrap configuration; the parameters,
-        buffers and optimizer state: a second at 1 GB of state; what the source would send)
-        on a thread: nothing they cover changes until that rebuild (see ``_ahead``)."""
-        module, optimizer, algorithm, wrap = (self._module, self.optimizer, self.algorithm,
-                                              self._wrap)
-        view = self._pending_view
-        self._ahead = (self._pending, Ahead(
-            lambda: (*_digests(module, optimizer, algorithm, wrap, 2), _view_digest(view)),
-            "bagua-ft-digests"))
 
     def _undo(self, saved: tuple) -> None:
         """A speculative optimizer step voted down: the state before it, the algorithm's
         kept for the rebuild at the next step."""
         own = restore(self._module, self.optimizer, saved, _STATE_KEY)
         self._abandon()
-        self._keep_pending(own)
+        keep_pending(self, own)
 
     def _abandon(self) -> None:
         if self.data is not None:
@@ -618,13 +434,6 @@ class FaultTolerant:
         if self.world_size > 1:
             self._abort()
 
-    def _keep_pending(self, own: dict) -> None:
-        """Keep the algorithm's state ``own`` and the committed position for the next
-        rebuild, with their :func:`_shared_view` while the algorithm is still attached."""
-        data_state = None if self.data is None else self.data.state_dict()
-        self._pending = (own, data_state)
-        self._pending_view = _shared_view(self.model.impl, own, data_state)
-
     def _abort(self) -> None:
         """Leave the group now (a step abandoned for a bug, or :meth:`close`): the module
         detached (the algorithm's state kept for the next rebuild, as after a failed one)
@@ -632,7 +441,7 @@ class FaultTolerant:
         it fails at once instead of after the collective timeout."""
         if self.model is not None:
             if self._pending is None:
-                self._keep_pending(self.model.bagua_state_dict())
+                keep_pending(self, self.model.bagua_state_dict())
             _detach(self.model)
             self.model = None
         close_connections(self._group, self._pg)
