@@ -86,7 +86,7 @@ def rebuild(ft, healed: dict | None) -> None:
     if healed is not None or ahead is None or ahead[0] is not ft._pending:
         ahead = None                     # the state it digested is not the one here
     view = None                          # unknown: the source's state is broadcast
-    if ft._pending is not None:       # a rebuild that failed: its state, not a fresh one
+    if ft._pending is not None:          # a rebuild that failed: its state, not a fresh one
         own, data_state = ft._pending
         if healed is None:
             view = ft._pending_view
@@ -126,8 +126,7 @@ def rebuild(ft, healed: dict | None) -> None:
     old_rank = -1 if not survivor else (
         ft.data.sampler.rank if ft.data is not None else own_rank)
     agreement = agree(
-        ft._group, ft.manager.current_step(), ft.manager.errored() is None,
-        old_rank,
+        ft._group, ft.manager.current_step(), ft.manager.errored() is None, old_rank,
         *digests[:2], secret=ft._secret,   # proven by every member first, then agreed
         shared=digests[2], own_rank=own_rank)
     src, agreed, old_ranks, same_config, same_state, same_shared, own_ranks = agreement
@@ -136,8 +135,7 @@ def rebuild(ft, healed: dict | None) -> None:
     quiet = agreed and same_state and same_shared and own_ranks[src] >= 0
     if survivor and ft.data is not None:   # every replica goes on from the source's
         data_state = ft.data.give_back(old_ranks[src])
-    if quiet and own is not None and (own.get("world_size"), own.get("rank")) != (size,
-                                                                              rank):
+    if quiet and own is not None and (own.get("world_size"), own.get("rank")) != (size, rank):
         own = {**own, "rank": own_ranks[src]}     # where the source's would be loaded
     shared = None if quiet else share(ft._group, src, ft._module, {
         "optimizer": None if agreed else ft.optimizer.state_dict(),
@@ -161,7 +159,7 @@ def rebuild(ft, healed: dict | None) -> None:
     in_sync = same_config and (same_state or not agreed)
     with _quiet("bagua_algos"):
         ft.model = _wrap(ft._module, [ft.optimizer], ft.algorithm,
-                           group=ft._group, in_sync=in_sync, **ft._wrap)
+                         group=ft._group, in_sync=in_sync, **ft._wrap)
     if own is not None:
         ft.model.load_bagua_state_dict(own)
     if ft.data is not None and data_state is not None:
@@ -181,8 +179,7 @@ def digest_ahead(ft) -> None:
     """Start the next rebuild's digests (the wrap configuration; the parameters,
     buffers and optimizer state: a second at 1 GB of state; what the source would send)
     on a thread: nothing they cover changes until that rebuild (see ``_ahead``)."""
-    module, optimizer, algorithm, wrap = (ft._module, ft.optimizer, ft.algorithm,
-                                          ft._wrap)
+    module, optimizer, algorithm, wrap = ft._module, ft.optimizer, ft.algorithm, ft._wrap
     view = ft._pending_view
     ft._ahead = (ft._pending, Ahead(
         lambda: (*_digests(module, optimizer, algorithm, wrap, 2), _view_digest(view)),
