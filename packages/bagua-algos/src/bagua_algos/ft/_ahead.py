@@ -31,9 +31,6 @@ class Ahead:
         self._thread = threading.Thread(target=run, name=name, daemon=True)
         self._thread.start()
 
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
     def result(self) -> Any:
         self._thread.join()
         if "error" in self._box:

@@ -114,10 +114,10 @@ def agree(group: bc.ProcessGroup, step: int, ok: bool, old_rank: int = -1,
     joins); ``config``, ``state``: its :func:`digest` of the wrap configuration and of
     :func:`state_digest` (empty: unknown, counted unequal); ``shared``: its digest of what
     the source would broadcast (the algorithm's state as its foreign load reads it, and the
-    sampler's position), ``own_rank`` the rank its algorithm state was saved at.  The source is the replica at
-    the highest step that saw no error; among equals a member of the old group is preferred
-    (its parameters hold its own local steps, under LocalSGD and DiLoCo; a joiner's are
-    another's), lowest rank first.
+    sampler's position), ``own_rank`` the rank its algorithm state was saved at.  The
+    source is the replica at the highest step that saw no error; among equals a member of
+    the old group is preferred (its parameters hold its own local steps, under LocalSGD and
+    DiLoCo; a joiner's are another's), lowest rank first.
 
     Each rank's values go straight to every peer (:func:`gather_small`: one round); with
     ``secret``, inside :func:`authenticate`'s proof (masked, read only once every member
